@@ -1,0 +1,30 @@
+# megatron-branchnorm: `make test` and `make demo` set up .venv themselves when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: test lint format venv clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check megatron_branchnorm tools tests
+	$(PY) -m ruff format --check megatron_branchnorm tools tests
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format megatron_branchnorm tools tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+"""megatron-branchnorm: very deep encoder-decoder Transformers with BranchNorm on DeepSpeed."""
+
+__version__ = "0.1.0"

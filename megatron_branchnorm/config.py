@@ -1,0 +1,416 @@
+"""Typed experiment configuration: YAML sections map onto nested dataclasses.
+
+    cfg = load_config("tiny_cpu", ["model.hidden_size=128", "train.max_steps=20"])
+
+A config is a YAML file (or the name of one shipped in ``megatron_branchnorm/configs/``) with
+the sections ``model``, ``data``, ``pipeline`` and ``train``. Unknown keys, wrong types and
+inconsistent values raise :class:`ConfigError` with a one-line message that names the key.
+Validation never rewrites a field: what you wrote is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+RESIDUAL_SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
+BRANCHNORM_SCHEDULES = ("linear", "exp", "sigmoid")
+LAYERNORM_IMPLS = ("auto", "apex", "torch")
+ACTIVATIONS = ("relu", "gelu")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the encoder-decoder (DESIGN.md §1-§2)."""
+
+    encoder_layers: int = 6
+    """Number of encoder layers N."""
+    decoder_layers: int = 6
+    """Number of decoder layers M."""
+    hidden_size: int = 512
+    """Model width d."""
+    ffn_hidden_size: int = 2048
+    """Inner width of the feed-forward sublayer."""
+    num_attention_heads: int = 8
+    """Attention heads; must divide hidden_size."""
+    vocab_size: int | None = None
+    """Joint vocabulary size; taken from the data manifest when unset."""
+    residual: str = "branchnorm"
+    """Residual scheme: branchnorm | deepnorm | postln | preln."""
+    branchnorm_steps: int = 4000
+    """T in alpha_t = min(1, t/T): updates until BranchNorm becomes Post-LN."""
+    branchnorm_schedule: str = "linear"
+    """How alpha_t rises to 1: linear (the paper's) | exp | sigmoid."""
+    dropout: float = 0.1
+    """Dropout on embeddings and on every sublayer output."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    activation_dropout: float = 0.0
+    """Dropout after the FFN activation."""
+    activation: str = "relu"
+    """FFN activation: relu | gelu."""
+    layernorm_impl: str = "auto"
+    """auto (Apex FusedLayerNorm on CUDA when importable, else torch) | apex | torch."""
+    layernorm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    max_positions: int = 1024
+    """Longest sequence the sinusoidal position table covers."""
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from (DESIGN.md §3)."""
+
+    dataset: str = "synthetic"
+    """A preprocessed DATA_DIR (tools/preprocess_data.py) or "synthetic"."""
+    max_tokens: int = 4096
+    """Tokens per micro-batch (the larger of source and target, padded)."""
+    sampling_temperature: float = 5.0
+    """T in p_i ~ n_i^(1/T) over translation directions."""
+    max_length: int = 256
+    """Longest source or target sentence (tokens) used in training."""
+    synthetic_size: int = 20000
+    """Number of sentence pairs in the synthetic copy/reverse task."""
+
+
+@dataclass
+class PipelineConfig:
+    """DeepSpeed pipeline parallelism (DESIGN.md §2, §8)."""
+
+    stages: int = 1
+    """Pipeline stages; data-parallel size is world_size / stages."""
+    partition: str = "balanced"
+    """balanced (cost model: decoder layers cost more) | uniform | a layout string."""
+    activation_checkpoint_interval: int = 0
+    """Checkpoint every k-th encoder/decoder layer's activations; 0 disables."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, logging and checkpointing (DESIGN.md §4)."""
+
+    max_steps: int = 100000
+    """Number of optimizer updates."""
+    max_time_minutes: float = 0.0
+    """Stop after this much wall-clock time with a final checkpoint; 0 disables."""
+    micro_batches: int = 1
+    """Micro-batches per update (gradient accumulation / pipeline depth)."""
+    lr: float = 5e-4
+    """Peak learning rate of the inverse-sqrt schedule."""
+    warmup_steps: int = 4000
+    """Linear warm-up updates before the inverse-sqrt decay."""
+    warmup_init_lr: float = 1e-7
+    """Learning rate at the first update of warm-up."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.98
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    label_smoothing: float = 0.1
+    """Label smoothing epsilon of the cross entropy."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    seed: int = 1
+    """Seed for initialisation, dropout and data order."""
+    save_dir: str = "runs/default"
+    """Checkpoints, metrics.jsonl and TensorBoard logs go here."""
+    save_interval: int = 1000
+    """Save a checkpoint every k updates (and at the end); 0 saves only at the end."""
+    eval_interval: int = 1000
+    """Validation loss every k updates; 0 disables."""
+    log_interval: int = 10
+    """Log a metrics line every k updates."""
+    deepspeed_config: str = "ds_configs/cpu_fp32.json"
+    """DeepSpeed JSON: precision and ZeRO stage live there (ds_configs/README.md)."""
+
+
+@dataclass
+class ExperimentConfig:
+    """One experiment: the four sections of a YAML config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON serialisable)."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+_YAML11_MISSED_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"config key {key}: bad value {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _YAML11_MISSED_FLOAT.fullmatch(value.strip()):
+            return float(value)  # PyYAML (YAML 1.1) reads 3e-4 / 1E5 as strings
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(
+        f"config key {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key {prefix}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(
+                f"config key {where}: unknown key (known: {', '.join(sorted(names))})"
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        where = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name], where)
+        else:
+            kwargs[f.name] = _coerce(where, data[f.name], tp)
+    return cls(**kwargs)
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A YAML path as given, or the name of a config shipped in ``megatron_branchnorm/configs``."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"--config {name_or_path}: no such file and no shipped config (known: {names})")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        msg = " ".join(str(exc).split())
+        raise ConfigError(f"{path}: invalid YAML: {msg}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``section.key=value`` overrides (values parsed as YAML scalars)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"config key {key}: overrides take the form section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"config key {key}: expected a scalar value, got {raw!r}")
+        section = data.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"config key {parts[0]}: expected a mapping")
+        section[parts[1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load a YAML config (path or shipped name), apply ``key=value`` overrides, validate."""
+    data = _read_yaml(resolve_config_path(path)) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    cfg = _build(ExperimentConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate a config from a nested dict (e.g. one saved in a checkpoint)."""
+    cfg = _build(ExperimentConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key {key}: {msg}")
+
+
+def validate_model(m: ModelConfig, prefix: str = "model") -> None:
+    """Consistency checks of a ModelConfig; raises ConfigError naming the key."""
+    _check(m.encoder_layers >= 1, f"{prefix}.encoder_layers", f"must be >= 1, got {m.encoder_layers}")
+    _check(m.decoder_layers >= 1, f"{prefix}.decoder_layers", f"must be >= 1, got {m.decoder_layers}")
+    _check(m.hidden_size >= 1, f"{prefix}.hidden_size", f"must be >= 1, got {m.hidden_size}")
+    _check(m.ffn_hidden_size >= 1, f"{prefix}.ffn_hidden_size", f"must be >= 1, got {m.ffn_hidden_size}")
+    _check(
+        m.num_attention_heads >= 1,
+        f"{prefix}.num_attention_heads",
+        f"must be >= 1, got {m.num_attention_heads}",
+    )
+    _check(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"{prefix}.hidden_size",
+        f"{m.hidden_size} is not divisible by {prefix}.num_attention_heads={m.num_attention_heads}",
+    )
+    if m.vocab_size is not None:
+        _check(m.vocab_size >= 8, f"{prefix}.vocab_size", f"must be >= 8, got {m.vocab_size}")
+    _check(
+        m.residual in RESIDUAL_SCHEMES,
+        f"{prefix}.residual",
+        f"unknown scheme {m.residual!r} (choose from {', '.join(RESIDUAL_SCHEMES)})",
+    )
+    _check(
+        m.branchnorm_schedule in BRANCHNORM_SCHEDULES,
+        f"{prefix}.branchnorm_schedule",
+        f"unknown schedule {m.branchnorm_schedule!r} (choose from {', '.join(BRANCHNORM_SCHEDULES)})",
+    )
+    _check(m.branchnorm_steps >= 1, f"{prefix}.branchnorm_steps", f"must be >= 1, got {m.branchnorm_steps}")
+    for name in ("dropout", "attention_dropout", "activation_dropout"):
+        v = getattr(m, name)
+        _check(0.0 <= v < 1.0, f"{prefix}.{name}", f"must be in [0, 1), got {v}")
+    _check(
+        m.activation in ACTIVATIONS,
+        f"{prefix}.activation",
+        f"unknown activation {m.activation!r} (choose from {', '.join(ACTIVATIONS)})",
+    )
+    _check(
+        m.layernorm_impl in LAYERNORM_IMPLS,
+        f"{prefix}.layernorm_impl",
+        f"unknown implementation {m.layernorm_impl!r} (choose from {', '.join(LAYERNORM_IMPLS)})",
+    )
+    _check(m.layernorm_eps > 0, f"{prefix}.layernorm_eps", f"must be > 0, got {m.layernorm_eps}")
+    _check(m.max_positions >= 2, f"{prefix}.max_positions", f"must be >= 2, got {m.max_positions}")
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Consistency checks of a whole config; raises ConfigError naming the key."""
+    validate_model(cfg.model)
+    d, p, t = cfg.data, cfg.pipeline, cfg.train
+    _check(bool(d.dataset), "data.dataset", "must be a DATA_DIR or 'synthetic'")
+    _check(d.max_tokens >= 1, "data.max_tokens", f"must be >= 1, got {d.max_tokens}")
+    _check(
+        d.sampling_temperature > 0,
+        "data.sampling_temperature",
+        f"must be > 0, got {d.sampling_temperature}",
+    )
+    _check(d.max_length >= 1, "data.max_length", f"must be >= 1, got {d.max_length}")
+    _check(
+        d.max_length + 2 <= cfg.model.max_positions,
+        "data.max_length",
+        f"{d.max_length} (+2 special tokens) exceeds model.max_positions={cfg.model.max_positions}",
+    )
+    _check(
+        d.max_tokens >= d.max_length + 2,
+        "data.max_tokens",
+        f"{d.max_tokens} cannot hold one sentence of data.max_length={d.max_length} (+2 special tokens)",
+    )
+    _check(d.synthetic_size >= 1, "data.synthetic_size", f"must be >= 1, got {d.synthetic_size}")
+    _check(p.stages >= 1, "pipeline.stages", f"must be >= 1, got {p.stages}")
+    # The spec list is [embed, enc_1..N, enc_final, dec_embed, dec_1..M, dec_final, output].
+    n_specs = cfg.model.encoder_layers + cfg.model.decoder_layers + 5
+    _check(
+        p.stages <= n_specs,
+        "pipeline.stages",
+        f"{p.stages} stages for {n_specs} pipeline layers "
+        f"({cfg.model.encoder_layers} encoder + {cfg.model.decoder_layers} decoder + 5)",
+    )
+    _check(bool(p.partition), "pipeline.partition", "must be balanced, uniform or a layout string")
+    _check(
+        p.activation_checkpoint_interval >= 0,
+        "pipeline.activation_checkpoint_interval",
+        f"must be >= 0, got {p.activation_checkpoint_interval}",
+    )
+    _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
+    _check(t.max_time_minutes >= 0, "train.max_time_minutes", f"must be >= 0, got {t.max_time_minutes}")
+    _check(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _check(t.warmup_init_lr >= 0, "train.warmup_init_lr", f"must be >= 0, got {t.warmup_init_lr}")
+    _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {t.adam_beta1}")
+    _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
+    _check(t.adam_eps > 0, "train.adam_eps", f"must be > 0, got {t.adam_eps}")
+    _check(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _check(
+        0 <= t.label_smoothing < 1,
+        "train.label_smoothing",
+        f"must be in [0, 1), got {t.label_smoothing}",
+    )
+    _check(t.clip_grad >= 0, "train.clip_grad", f"must be >= 0, got {t.clip_grad}")
+    _check(bool(t.save_dir), "train.save_dir", "must not be empty")
+    _check(t.save_interval >= 0, "train.save_interval", f"must be >= 0, got {t.save_interval}")
+    _check(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
+    _check(t.log_interval >= 1, "train.log_interval", f"must be >= 1, got {t.log_interval}")
+    _check(bool(t.deepspeed_config), "train.deepspeed_config", "must name a DeepSpeed JSON")

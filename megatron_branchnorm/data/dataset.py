@@ -1,0 +1,430 @@
+"""Training side: a preprocessed DATA_DIR as translation batches.
+
+* :func:`open_manifest` reads and validates ``DATA_DIR/manifest.json``.
+* :class:`TranslationData` opens the indexed datasets of every direction of one split and turns
+  samples into tensors: ``src_tokens = <2tgt> x_1..x_n </s>``, ``prev_output_tokens =
+  <s> y_1..y_m``, ``target = y_1..y_m </s>`` (right-padded with PAD_ID).
+* :class:`BatchSampler` yields token-budget micro-batches, one direction per batch.
+
+Sampling (``shuffle=True``): an epoch holds N = sum_i n_i samples, direction i contributing
+round(N * p_i) with p_i ~ n_i^(1/T) (largest-remainder rounding, so each count is within one
+sample of N * p_i). Direction i's samples are read from an endless stream of seeded
+permutations of its n_i samples, so an up-sampled direction repeats only after a full pass and a
+down-sampled one sees all its samples over successive epochs. Within a direction the epoch's
+samples are sorted by length (random tie-break) and cut greedily into batches with
+B * max(S, T) <= max_tokens; then the batches of all directions are shuffled. Everything is a
+function of (seed, epoch) only: the order never depends on how many steps are run, and
+``state_dict()`` is just (epoch, batch position).
+
+``shuffle=False`` (validation) gives one pass over every sample, direction by direction, each
+sorted by length.
+
+The sampler reads a data source through four members, so any object with per-sample lengths
+(for example a synthetic task) can be batched the same way: ``directions``, ``group_indices(g)``,
+``group_lengths(g)`` and ``collate(g, indices)`` (see :class:`SampleSource`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.data.indexed_dataset import IndexedDataset
+from megatron_branchnorm.data.preprocess import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
+from megatron_branchnorm.data.sampling import allocate, temperature_probs
+from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
+
+__all__ = [
+    "BatchSampler",
+    "DataError",
+    "SampleSource",
+    "TranslationData",
+    "open_manifest",
+    "read_references",
+]
+
+# Tags that keep the random streams of the sampler apart (numpy SeedSequence entropy words).
+_STREAM_PASS, _STREAM_TIEBREAK, _STREAM_ORDER = 1, 2, 3
+
+
+def _require(ok: bool, path: Path, msg: str) -> None:
+    if not ok:
+        raise DataError(f"{path}: {msg}")
+
+
+def open_manifest(data_dir: str | Path) -> dict:
+    """Read ``DATA_DIR/manifest.json`` and check its structure; raises :class:`DataError`."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{path}: missing; {data_dir} is not a preprocessed DATA_DIR "
+            "(run tools/preprocess_data.py)"
+        )
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: unreadable manifest: {' '.join(str(exc).split())}") from None
+    _require(isinstance(m, dict), path, "manifest is not a JSON object")
+    _require(m.get("format") == MANIFEST_FORMAT, path, f"format is not {MANIFEST_FORMAT!r}")
+    _require(
+        m.get("version") == MANIFEST_VERSION,
+        path,
+        f"manifest version {m.get('version')!r}, this code reads {MANIFEST_VERSION}; "
+        "re-run preprocessing",
+    )
+    vocab = m.get("vocab_size")
+    _require(isinstance(vocab, int) and vocab > 4, path, f"bad vocab_size {vocab!r}")
+    langs = m.get("languages")
+    _require(
+        isinstance(langs, list) and all(isinstance(x, str) for x in langs) and len(langs) >= 2,
+        path,
+        "languages must be a list of at least two codes",
+    )
+    tags = m.get("tag_ids")
+    _require(isinstance(tags, dict), path, "tag_ids missing")
+    for lang in langs:
+        t = tags.get(lang)
+        _require(
+            isinstance(t, int) and 3 < t < vocab, path, f"tag id of {lang} is {t!r} (vocab {vocab})"
+        )
+    _require(isinstance(m.get("spm_model"), str), path, "spm_model missing")
+    _require(
+        (Path(data_dir) / m["spm_model"]).is_file(), path, f"spm_model {m['spm_model']} not found"
+    )
+    dirs = m.get("directions")
+    _require(isinstance(dirs, list) and dirs, path, "directions must be a non-empty list")
+    splits = m.get("splits")
+    _require(isinstance(splits, dict) and "train" in splits, path, "splits.train missing")
+    for split, info in splits.items():
+        d = info.get("directions") if isinstance(info, dict) else None
+        _require(isinstance(d, dict) and d, path, f"splits.{split}.directions missing")
+        for name, entry in d.items():
+            src, _, tgt = name.partition("-")
+            _require(src in langs and tgt in langs, path, f"direction {name!r}: unknown language")
+            ok = (
+                isinstance(entry, dict)
+                and isinstance(entry.get("src"), str)
+                and isinstance(entry.get("tgt"), str)
+                and isinstance(entry.get("sentences"), int)
+            )
+            _require(ok, path, f"splits.{split}.directions.{name} needs src, tgt, sentences")
+    return m
+
+
+def read_references(
+    data_dir: str | Path, split: str, direction: str
+) -> tuple[list[str], list[str]]:
+    """The raw (unfiltered) source lines and reference lines of a dev/test direction."""
+    m = open_manifest(data_dir)
+    path = Path(data_dir) / MANIFEST
+    refs = m["splits"].get(split, {}).get("references", {})
+    if direction not in refs:
+        raise DataError(f"{path}: no {split} references for direction {direction}")
+    out = []
+    for side in ("src", "tgt"):
+        f = Path(data_dir) / refs[direction][side]
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{f}: cannot read references: {exc}") from None
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()
+        out.append(lines)
+    if len(out[0]) != len(out[1]):
+        raise DataError(f"{path}: {split} {direction} references have unequal line counts")
+    return out[0], out[1]
+
+
+class SampleSource(Protocol):
+    """What :class:`BatchSampler` needs from a data source."""
+
+    directions: list[str]
+
+    def group_indices(self, group: int) -> np.ndarray:
+        """Local indices of the usable samples of direction ``group``."""
+        ...
+
+    def group_lengths(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) tensor lengths, specials included, of every local index."""
+        ...
+
+    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
+        """The batch dict of these samples of direction ``group``."""
+        ...
+
+
+class TranslationData:
+    """All translation directions of one split of a DATA_DIR.
+
+    ``max_length`` drops samples whose source or target sentence has more tokens (specials not
+    counted); ``num_too_long`` says how many.
+    """
+
+    def __init__(self, data_dir: str, split: str = "train", max_length: int | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.manifest = open_manifest(data_dir)
+        mpath = self.data_dir / MANIFEST
+        splits = self.manifest["splits"]
+        if split not in splits:
+            raise DataError(f"{mpath}: no split {split!r} (has {', '.join(splits)})")
+        self.split = split
+        self.vocab_size: int = self.manifest["vocab_size"]
+        entries = splits[split]["directions"]
+        self.directions: list[str] = sorted(entries)
+        cache: dict[str, IndexedDataset] = {}
+
+        def open_ds(rel: str) -> IndexedDataset:
+            if rel not in cache:
+                cache[rel] = IndexedDataset(self.data_dir / rel)
+            return cache[rel]
+
+        self._src: list[IndexedDataset] = []
+        self._tgt: list[IndexedDataset] = []
+        self._tag: list[int] = []
+        self._offsets: list[int] = []
+        self._valid: list[np.ndarray] = []
+        self._lengths: list[tuple[np.ndarray, np.ndarray]] = []
+        self.num_too_long = 0
+        offset = 0
+        for name in self.directions:
+            e = entries[name]
+            src, tgt = open_ds(e["src"]), open_ds(e["tgt"])
+            if not (len(src) == len(tgt) == e["sentences"]):
+                raise DataError(
+                    f"{src.prefix}.idx has {len(src)} and {tgt.prefix}.idx {len(tgt)} sequences, "
+                    f"manifest {mpath} says {e['sentences']}"
+                )
+            src_n = src.sizes.astype(np.int64)
+            tgt_n = tgt.sizes.astype(np.int64)
+            if max_length is None:
+                valid = np.arange(len(src), dtype=np.int64)
+            else:
+                valid = np.flatnonzero((src_n <= max_length) & (tgt_n <= max_length))
+            self.num_too_long += len(src) - valid.size
+            self._src.append(src)
+            self._tgt.append(tgt)
+            self._tag.append(self.manifest["tag_ids"][name.split("-", 1)[1]])
+            self._offsets.append(offset)
+            self._valid.append(valid)
+            self._lengths.append((src_n + 2, tgt_n + 1))
+            offset += len(src)
+        self.num_samples = offset
+        """Samples over all directions before the max_length filter (the range of ``ids``)."""
+
+    def __len__(self) -> int:
+        return sum(v.size for v in self._valid)
+
+    def group_indices(self, group: int) -> np.ndarray:
+        """Local indices of the samples of direction ``group`` that pass ``max_length``."""
+        return self._valid[group]
+
+    def group_lengths(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) tensor lengths with specials: (n + 2, m + 1) per sample."""
+        return self._lengths[group]
+
+    def pair(self, group: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw (source, target) token ids of one sample, without tag or specials."""
+        return np.asarray(self._src[group][index]), np.asarray(self._tgt[group][index])
+
+    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
+        """Batch dict of samples ``indices`` of direction ``group`` (see module docstring)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        srcs = [self._src[group][i] for i in indices]
+        tgts = [self._tgt[group][i] for i in indices]
+        bsz = len(srcs)
+        s_len = max(len(s) for s in srcs) + 2
+        t_len = max(len(t) for t in tgts) + 1
+        src = np.full((bsz, s_len), PAD_ID, dtype=np.int64)  # (B, S)
+        prev = np.full((bsz, t_len), PAD_ID, dtype=np.int64)  # (B, T)
+        tgt = np.full((bsz, t_len), PAD_ID, dtype=np.int64)  # (B, T)
+        tag = self._tag[group]
+        for b, (s, t) in enumerate(zip(srcs, tgts, strict=True)):
+            src[b, 0] = tag
+            src[b, 1 : len(s) + 1] = s
+            src[b, len(s) + 1] = EOS_ID
+            prev[b, 0] = BOS_ID
+            prev[b, 1 : len(t) + 1] = t
+            tgt[b, : len(t)] = t
+            tgt[b, len(t)] = EOS_ID
+        if src.max() >= self.vocab_size or prev.max() >= self.vocab_size:
+            raise DataError(
+                f"{self._src[group].prefix}: token id >= vocab_size {self.vocab_size} (corrupt data)"
+            )
+        return {
+            "src_tokens": torch.from_numpy(src),
+            "prev_output_tokens": torch.from_numpy(prev),
+            "target": torch.from_numpy(tgt),
+            "ids": torch.from_numpy(indices + self._offsets[group]),
+            "ntokens": int(sum(len(t) for t in tgts) + bsz),
+            "src_ntokens": int(sum(len(s) for s in srcs) + 2 * bsz),
+            "direction": self.directions[group],
+        }
+
+
+def _batches_by_length(indices: np.ndarray, keys: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut ``indices`` (sorted by nondecreasing ``keys``) into batches with
+    len(batch) * max(keys in batch) <= max_tokens, greedily."""
+    out = []
+    n, start = indices.size, 0
+    while start < n:
+        lo, hi = start + 1, min(n, start + max_tokens // int(keys[start]))
+        while lo < hi:  # largest end with (end - start) * keys[end - 1] <= max_tokens
+            mid = (lo + hi + 1) // 2
+            if (mid - start) * int(keys[mid - 1]) <= max_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(indices[start:lo])
+        start = lo
+    return out
+
+
+class BatchSampler:
+    """Token-budget batches over the directions of a :class:`SampleSource`.
+
+    ``shuffle=True`` iterates forever (epochs advance; see the module docstring);
+    ``shuffle=False`` makes one length-sorted pass. With ``world_size > 1`` each rank gets every
+    ``world_size``-th batch of the same plan (the shuffled plan is cut to a multiple of it).
+    """
+
+    def __init__(
+        self,
+        data: SampleSource,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if max_tokens < 1:
+            raise DataError(f"max_tokens must be >= 1, got {max_tokens}")
+        if temperature <= 0:
+            raise DataError(f"sampling temperature must be > 0, got {temperature}")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} outside world_size {world_size}")
+        self.data = data
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self._keys: list[np.ndarray] = []
+        counts = []
+        for g, name in enumerate(data.directions):
+            src_len, tgt_len = data.group_lengths(g)
+            key = np.maximum(src_len, tgt_len)
+            valid = data.group_indices(g)
+            if valid.size and int(key[valid].max()) > max_tokens:
+                raise DataError(
+                    f"direction {name}: a sample of {int(key[valid].max())} tokens exceeds "
+                    f"max_tokens={max_tokens}; lower data.max_length to at most max_tokens - 2"
+                )
+            self._keys.append(key)
+            counts.append(valid.size)
+        self.counts = np.array(counts, dtype=np.int64)
+        if self.counts.sum() == 0:
+            raise DataError("no samples to batch (every direction is empty)")
+        self.probs = temperature_probs(self.counts, temperature)
+        self.epoch_counts = allocate(int(self.counts.sum()), self.probs)
+        """Samples per direction in every shuffled epoch."""
+        self._epoch = 0
+        self._position = 0
+        self._cached: tuple[int, list[tuple[int, np.ndarray]]] | None = None
+
+    # --- the plan of one epoch -------------------------------------------------------------
+
+    def _rng(self, *words: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed & 0xFFFFFFFF, *words])
+
+    def _epoch_samples(self, g: int, epoch: int) -> np.ndarray:
+        """Direction ``g``'s samples of ``epoch``: positions [epoch*k, (epoch+1)*k) of its
+        stream of permutations."""
+        valid, k = self.data.group_indices(g), int(self.epoch_counts[g])
+        n = valid.size
+        if k == 0 or n == 0:
+            return np.zeros(0, dtype=np.int64)
+        first, last = epoch * k, (epoch + 1) * k  # stream positions
+        parts = []
+        for p in range(first // n, (last - 1) // n + 1):
+            perm = self._rng(_STREAM_PASS, g, p).permutation(n)
+            lo, hi = max(first, p * n) - p * n, min(last, (p + 1) * n) - p * n
+            parts.append(valid[perm[lo:hi]])
+        return np.concatenate(parts)
+
+    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        batches: list[tuple[int, np.ndarray]] = []
+        for g in range(len(self.data.directions)):
+            if self.shuffle:
+                idx = self._epoch_samples(g, epoch)
+                tie = self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)
+            else:
+                idx = self.data.group_indices(g)
+                tie = np.arange(idx.size)
+            keys = self._keys[g][idx]
+            order = np.lexsort((tie, keys))
+            batches += [
+                (g, b) for b in _batches_by_length(idx[order], keys[order], self.max_tokens)
+            ]
+        if self.shuffle:
+            perm = self._rng(_STREAM_ORDER, epoch).permutation(len(batches))
+            batches = [batches[i] for i in perm]
+            batches = batches[: len(batches) - len(batches) % self.world_size]
+        batches = batches[self.rank :: self.world_size]
+        self._cached = (epoch, batches)
+        return batches
+
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        """Number of batches this rank gets in ``epoch`` (one pass when not shuffling)."""
+        return len(self._plan(epoch))
+
+    # --- iteration and resume --------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.shuffle:
+            for g, idx in self._plan(0):
+                yield self.data.collate(g, idx)
+            return
+        while True:
+            plan = self._plan(self._epoch)
+            while self._position < len(plan):
+                g, idx = plan[self._position]
+                self._position += 1
+                yield self.data.collate(g, idx)
+            self._epoch += 1
+            self._position = 0
+
+    def state_dict(self) -> dict:
+        """Where the sampler stands: batches yielded so far in the current epoch."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "num_samples": int(self.counts.sum()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly after the last batch yielded when ``state`` was saved."""
+        for key in ("seed", "max_tokens", "world_size", "rank", "num_samples"):
+            mine = self.state_dict()[key]
+            if key in state and state[key] != mine:
+                raise DataError(
+                    f"sampler state was saved with {key}={state[key]}, this sampler has {mine}"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self._plan(epoch)):
+            raise DataError(f"sampler state epoch={epoch} position={position} is out of range")
+        self._epoch, self._position = epoch, position

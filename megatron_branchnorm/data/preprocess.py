@@ -1,0 +1,338 @@
+"""Raw parallel corpus -> DATA_DIR: cleaned, SentencePiece-encoded, indexed, with a manifest.
+
+Steps (tools/preprocess_data.py is the command line):
+
+1. read and validate every input file (:mod:`corpora`) before anything is written;
+2. clean each line (:func:`text.clean`); a pair is dropped, and counted, when a side had
+   invalid UTF-8 (``--on-bad-utf8 skip``) or is empty after cleaning;
+3. train one joint SentencePiece model on a temperature-sampled mix of the training text;
+4. encode (``workers`` processes; the output does not depend on their number);
+5. drop training pairs with a side longer than ``max_len`` tokens (counted; dev/test keep them);
+6. write per pair, split and language an indexed dataset ``bin/<split>.<pair>.<lang>``, the
+   raw dev/test text ``raw/<split>.<pair>.<lang>`` (every line, unfiltered: the evaluation
+   references), ``spm.model``/``spm.vocab`` and ``manifest.json``.
+
+Everything is written into a hidden temporary directory beside DATA_DIR that is renamed to
+DATA_DIR at the very end, so an interrupted run never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_branchnorm.data import spm as spm_lib
+from megatron_branchnorm.data.corpora import SPLITS, PairLines, parse_langs, read_corpus
+from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
+from megatron_branchnorm.data.text import clean, reference
+from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron_branchnorm-data"
+MANIFEST_VERSION = 1
+FILTERS = ("bad_utf8", "empty", "too_long")
+CHUNK_LINES = 2000
+
+
+@dataclass
+class PreprocessOptions:
+    """Everything preprocessing depends on (the command line maps onto it)."""
+
+    fmt: str
+    input_dir: str
+    langs: list[str]
+    output: str
+    pivot: str = "en"
+    spm: spm_lib.SpmOptions = field(default_factory=spm_lib.SpmOptions)
+    max_len: int = 256
+    on_bad_utf8: str = "error"
+    workers: int = 1
+    dev_size: int = 2000
+    test_size: int = 2000
+    overwrite: bool = False
+    progress: bool | None = None
+    """tqdm progress bar on stderr: None shows it only on a terminal."""
+    command: str = ""
+
+
+@dataclass
+class _Cleaned:
+    pivot: list[str]
+    other: list[str]
+    filters: dict[str, int]
+    replaced_utf8: int
+
+
+def _clean_pairs(pl: PairLines, on_bad_utf8: str) -> _Cleaned:
+    filters = dict.fromkeys(FILTERS, 0)
+    pivot, other = [], []
+    for i, (a, b) in enumerate(zip(pl.pivot_lines, pl.other_lines, strict=True)):
+        if on_bad_utf8 == "skip" and i in pl.bad_utf8:
+            filters["bad_utf8"] += 1
+            continue
+        a, b = clean(a), clean(b)
+        if not a or not b:
+            filters["empty"] += 1
+            continue
+        pivot.append(a)
+        other.append(b)
+    replaced = len(pl.bad_utf8) if on_bad_utf8 == "replace" else 0
+    return _Cleaned(pivot, other, filters, replaced)
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--output {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"--output {out}: exists and is not empty (use --overwrite to replace it)")
+
+
+def _encode_all(
+    texts: list[list[str]], model_file: str, workers: int, progress: bool | None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Encode each list of lines; returns (flat ids, lengths) per list, in order."""
+    chunks: list[tuple[int, list[str]]] = []
+    for k, lines in enumerate(texts):
+        for s in range(0, len(lines), CHUNK_LINES):
+            chunks.append((k, lines[s : s + CHUNK_LINES]))
+    n_lines = sum(len(c) for _, c in chunks)
+    bar = tqdm(
+        total=n_lines,
+        unit="sent",
+        desc="encode",
+        file=sys.stderr,
+        disable=(None if progress is None else not progress),
+    )
+    results: list[tuple[np.ndarray, np.ndarray]] = []
+    if workers <= 1:
+        spm_lib.init_worker(model_file)
+        it = map(spm_lib.encode_chunk, (c for _, c in chunks))
+        pool = None
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        pool = mp.get_context(method).Pool(
+            workers, initializer=spm_lib.init_worker, initargs=(model_file,)
+        )
+        it = pool.imap(spm_lib.encode_chunk, (c for _, c in chunks), chunksize=1)
+    try:
+        for (_, lines), res in zip(chunks, it, strict=True):
+            results.append(res)
+            bar.update(len(lines))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    by_text: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in range(len(texts))}
+    for (k, _), res in zip(chunks, results, strict=True):
+        by_text[k].append(res)
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for k in range(len(texts)):
+        parts = by_text[k]
+        if parts:
+            out.append(
+                (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+            )
+        else:
+            out.append((np.zeros(0, np.int32), np.zeros(0, np.int64)))
+    return out
+
+
+def _select(
+    flat: np.ndarray, lengths: np.ndarray, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences of (flat, lengths) where ``keep`` is True."""
+    return flat[np.repeat(keep, lengths)], lengths[keep]
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for line in lines:
+            f.write(line + "\n")
+
+
+def preprocess(opts: PreprocessOptions) -> dict:
+    """Run the whole pipeline; returns the manifest written to ``opts.output/manifest.json``."""
+    langs = parse_langs(opts.langs, opts.pivot)
+    if opts.max_len < 1:
+        raise DataError(f"--max-len must be >= 1, got {opts.max_len}")
+    if opts.workers < 1:
+        raise DataError(f"--workers must be >= 1, got {opts.workers}")
+    out = Path(opts.output)
+    _check_output(out, opts.overwrite)
+    corpus, split_source = read_corpus(
+        opts.fmt,
+        opts.input_dir,
+        langs,
+        opts.pivot,
+        opts.on_bad_utf8,
+        opts.dev_size,
+        opts.test_size,
+        opts.spm.seed,
+    )
+    pivot = opts.pivot
+    pairs = {lang: corpus[lang][SPLITS[0]].pair for lang in langs}
+    cleaned = {
+        (lang, split): _clean_pairs(corpus[lang][split], opts.on_bad_utf8)
+        for lang in langs
+        for split in SPLITS
+    }
+    for lang in langs:
+        if not cleaned[(lang, "train")].pivot:
+            raise DataError(
+                f"{corpus[lang]['train'].origin}: no training pairs left after cleaning "
+                f"(filters: {cleaned[(lang, 'train')].filters})"
+            )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        manifest = _build(opts, langs, pivot, pairs, corpus, cleaned, split_source, tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory to ``out`` (replacing an old one)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(
+    opts: PreprocessOptions,
+    langs: list[str],
+    pivot: str,
+    pairs: dict[str, str],
+    corpus: dict[str, dict[str, PairLines]],
+    cleaned: dict[tuple[str, str], _Cleaned],
+    split_source: dict[str, str],
+    tmp: Path,
+) -> dict:
+    (tmp / "bin").mkdir()
+    (tmp / "raw").mkdir()
+    all_langs = sorted([pivot, *langs])
+
+    # Evaluation references: every dev/test line, unfiltered.
+    references: dict[str, dict[str, dict]] = {"dev": {}, "test": {}}
+    for split in ("dev", "test"):
+        for lang in langs:
+            pl, pair = corpus[lang][split], pairs[lang]
+            for code, lines in ((pivot, pl.pivot_lines), (lang, pl.other_lines)):
+                _write_lines(tmp / "raw" / f"{split}.{pair}.{code}", [reference(x) for x in lines])
+            for src, tgt in ((lang, pivot), (pivot, lang)):
+                references[split][f"{src}-{tgt}"] = {
+                    "src": f"raw/{split}.{pair}.{src}",
+                    "tgt": f"raw/{split}.{pair}.{tgt}",
+                    "sentences": len(pl.pivot_lines),
+                }
+
+    # Joint SentencePiece model on the cleaned training text.
+    spm_text: dict[str, list[str]] = {code: [] for code in all_langs}
+    for lang in langs:
+        c = cleaned[(lang, "train")]
+        spm_text[pivot] += c.pivot
+        spm_text[lang] += c.other
+    spm_info = spm_lib.train_spm(spm_text, tmp / "spm", all_langs, opts.spm)
+    del spm_text
+    vocab_size = spm_info["vocab_size"]
+    dtype = dtype_for_vocab(vocab_size)
+
+    keys = [(lang, split) for lang in langs for split in SPLITS]
+    texts: list[list[str]] = []
+    for key in keys:
+        texts += [cleaned[key].pivot, cleaned[key].other]
+    encoded = _encode_all(texts, str(tmp / "spm.model"), opts.workers, opts.progress)
+
+    splits_info: dict[str, dict] = {}
+    for split in SPLITS:
+        info: dict = {"sentences": 0, "filters": dict.fromkeys(FILTERS, 0), "pairs": {}}
+        info["directions"] = {}
+        for lang in langs:
+            k = keys.index((lang, split))
+            c, pair = cleaned[(lang, split)], pairs[lang]
+            (pf, pn), (of, on) = encoded[2 * k], encoded[2 * k + 1]
+            keep = np.ones(pn.size, dtype=bool)
+            if split == "train":
+                keep = (pn <= opts.max_len) & (on <= opts.max_len)
+            filters = dict(c.filters)
+            filters["too_long"] = int((~keep).sum())
+            files, tokens = {}, {}
+            for code, flat, lengths in ((pivot, pf, pn), (lang, of, on)):
+                flat, lengths = _select(flat, lengths, keep)
+                rel = f"bin/{split}.{pair}.{code}"
+                with IndexedDatasetWriter(tmp / rel, dtype) as w:
+                    w.add_many(flat, lengths)
+                files[code], tokens[code] = rel, int(lengths.sum())
+            n_kept = int(keep.sum())
+            raw_n = len(corpus[lang][split].pivot_lines)
+            if raw_n != n_kept + sum(filters.values()):
+                raise RuntimeError(f"filter counts of {pair} {split} do not add up")
+            info["pairs"][pair] = {
+                "raw_sentences": raw_n,
+                "sentences": n_kept,
+                "filters": filters,
+                "bad_utf8_replaced": c.replaced_utf8,
+                "tokens": tokens,
+                "files": files,
+                "source": split_source[pair],
+            }
+            info["sentences"] += n_kept
+            for name, val in filters.items():
+                info["filters"][name] += val
+            for src, tgt in ((lang, pivot), (pivot, lang)):
+                info["directions"][f"{src}-{tgt}"] = {
+                    "src": files[src],
+                    "tgt": files[tgt],
+                    "sentences": n_kept,
+                    "src_tokens": tokens[src],
+                    "tgt_tokens": tokens[tgt],
+                }
+        info["directions"] = dict(sorted(info["directions"].items()))
+        if split in references:
+            info["references"] = dict(sorted(references[split].items()))
+        splits_info[split] = info
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "pivot": pivot,
+        "languages": all_langs,
+        "pairs": sorted(pairs.values()),
+        "directions": sorted(splits_info["train"]["directions"]),
+        "vocab_size": vocab_size,
+        "spm_model": "spm.model",
+        "spm_vocab": "spm.vocab",
+        "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+        "tag_ids": spm_info.pop("tag_ids"),
+        "dtype": dtype.name,
+        "spm": spm_info,
+        "max_len": opts.max_len,
+        "on_bad_utf8": opts.on_bad_utf8,
+        "input": {"format": opts.fmt, "dir": str(opts.input_dir)},
+        "splits": splits_info,
+        "command": opts.command,
+    }
+    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return manifest

@@ -1,0 +1,149 @@
+"""Training the joint SentencePiece model, deterministically.
+
+The training text is a temperature-sampled mix of the languages' training sentences (small
+languages are repeated, large ones subsampled), drawn with a seeded generator; SentencePiece
+itself runs with its random seed fixed and one thread, so the same corpus and options give the
+same model file. Special ids follow :mod:`megatron_branchnorm.tokens`; every language's ``<2xx>``
+tag is a user-defined symbol, so tags get the ids right after ``</s>`` in language order.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as sp
+
+from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.data.sampling import allocate, temperature_probs
+from megatron_branchnorm.tokens import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, UNK_ID, lang_tag
+
+MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+@dataclass
+class SpmOptions:
+    """Options of the joint SentencePiece model."""
+
+    vocab_size: int = 64000
+    model_type: str = "unigram"
+    character_coverage: float = 0.9995
+    sample_size: int = 2_000_000
+    """Sentences in the training mix (fewer when the corpus is smaller)."""
+    temperature: float = 5.0
+    """Language-mix temperature for the training sample."""
+    seed: int = 1
+
+
+def sample_mix(
+    sentences: dict[str, list[str]], opts: SpmOptions
+) -> tuple[list[str], dict[str, int]]:
+    """The training sentences (languages in sorted order) and how many came from each language."""
+    langs = sorted(sentences)
+    counts = [len(sentences[lang]) for lang in langs]
+    if sum(counts) == 0:
+        raise DataError("no training sentences left to train SentencePiece on")
+    total = min(opts.sample_size, sum(counts))
+    take = allocate(total, temperature_probs(counts, opts.temperature))
+    mix: list[str] = []
+    used = {}
+    for i, lang in enumerate(langs):
+        pool, k = sentences[lang], int(take[i])
+        rng = np.random.default_rng([opts.seed, i])
+        reps, extra = divmod(k, len(pool)) if pool else (0, 0)
+        idx = (
+            np.concatenate(
+                [np.arange(len(pool))] * reps
+                + [np.sort(rng.choice(len(pool), extra, replace=False))]
+            )
+            if pool
+            else np.zeros(0, np.int64)
+        )
+        mix.extend(pool[j] for j in idx.tolist())
+        used[lang] = int(idx.size)
+    return mix, used
+
+
+def train_spm(
+    sentences: dict[str, list[str]],
+    model_prefix: str | Path,
+    languages: list[str],
+    opts: SpmOptions,
+) -> dict:
+    """Train ``model_prefix.model`` (and a ``.vocab`` listing: piece, tab, score) and return
+    what the manifest records about it."""
+    if opts.model_type not in MODEL_TYPES:
+        raise DataError(f"--model-type must be one of {', '.join(MODEL_TYPES)}")
+    mix, used = sample_mix(sentences, opts)
+    model_prefix = Path(model_prefix)
+    # Sentences go in through an iterator and the model comes back as bytes, so no file path
+    # ends up in the model's trainer spec and the file depends only on the data and options.
+    writer = io.BytesIO()
+    tags = [lang_tag(lang) for lang in sorted(languages)]
+    sp.set_random_generator_seed(opts.seed)
+    try:
+        sp.SentencePieceTrainer.train(
+            sentence_iterator=iter(mix),
+            model_writer=writer,
+            vocab_size=opts.vocab_size,
+            model_type=opts.model_type,
+            character_coverage=opts.character_coverage,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_piece=PAD,
+            unk_piece=UNK,
+            bos_piece=BOS,
+            eos_piece=EOS,
+            user_defined_symbols=tags,
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:
+        msg = " ".join(str(exc).split())
+        raise DataError(f"SentencePiece training on {len(mix)} sentences failed: {msg}") from None
+    proto = writer.getvalue()
+    Path(f"{model_prefix}.model").write_bytes(proto)
+    model = sp.SentencePieceProcessor(model_proto=proto)
+    with open(f"{model_prefix}.vocab", "w", encoding="utf-8", newline="\n") as f:
+        for i in range(model.get_piece_size()):
+            f.write(f"{model.id_to_piece(i)}\t{model.get_score(i):g}\n")
+    tag_ids = {lang: model.piece_to_id(lang_tag(lang)) for lang in sorted(languages)}
+    for lang, tid in tag_ids.items():
+        if model.id_to_piece(tid) != lang_tag(lang):
+            raise DataError(f"{model_prefix}.model: tag {lang_tag(lang)} is not a single piece")
+    return {
+        "vocab_size": model.get_piece_size(),
+        "tag_ids": tag_ids,
+        "model_type": opts.model_type,
+        "character_coverage": opts.character_coverage,
+        "temperature": opts.temperature,
+        "seed": opts.seed,
+        "sample_sentences": used,
+    }
+
+
+_worker_model: sp.SentencePieceProcessor | None = None
+
+
+def init_worker(model_file: str) -> None:
+    """Pool initializer: load the model once per worker process."""
+    global _worker_model
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _worker_model = sp.SentencePieceProcessor(model_file=model_file)
+
+
+def encode_chunk(lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode lines with the worker's model: (concatenated ids as int32, lengths as int64)."""
+    if _worker_model is None:
+        raise RuntimeError("encode_chunk needs init_worker first")
+    pieces = _worker_model.encode(lines, out_type=int)
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32, count=int(lengths.sum()))
+    return flat, lengths

@@ -1,0 +1,95 @@
+"""Reading parallel text files line by line, and the two normalisations applied to a line.
+
+Lines are split on ``\\n`` only: ``\\r``, U+2028, NUL, form feed and a BOM inside a line never
+split or shift it (Python's ``str.splitlines`` would).
+
+* :func:`clean` (training text and encoded dev/test): control characters and the byte-order
+  mark removed, every kind of whitespace collapsed to one space, ends stripped.
+* :func:`reference` (the raw dev/test references kept in DATA_DIR): the line as given, except
+  that characters a line reader may treat as line breaks become a space and NUL/BOM are removed,
+  so the file has exactly one line per sentence for any reader.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path
+
+from megatron_branchnorm.data.errors import DataError
+
+BAD_UTF8_MODES = ("error", "skip", "replace")
+
+# Characters that some readers treat as line breaks (str.splitlines does).
+_LINE_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+_REFERENCE_TABLE = {ord(c): " " for c in _LINE_BREAKS} | {0: None, 0xFEFF: None}
+
+
+def _clean_table() -> dict[int, str | None]:
+    table: dict[int, str | None] = {}
+    for cp in list(range(0x00, 0x20)) + list(range(0x7F, 0xA0)):
+        table[cp] = None
+    for c in "\t\n" + _LINE_BREAKS:
+        table[ord(c)] = " "
+    table[0xFEFF] = None
+    return table
+
+
+_CLEAN_TABLE = _clean_table()
+
+
+def clean(line: str) -> str:
+    """Training-side normalisation: drop control characters and BOM, collapse whitespace."""
+    return " ".join(line.translate(_CLEAN_TABLE).split())
+
+
+def reference(line: str) -> str:
+    """Evaluation-reference form: line-break look-alikes become spaces; NUL and BOM removed."""
+    return line.translate(_REFERENCE_TABLE)
+
+
+def read_lines(path: str | Path, on_bad_utf8: str = "error") -> tuple[list[str], list[int]]:
+    """The lines of ``path`` (split on ``\\n`` only) and the 0-based numbers of invalid-UTF-8 lines.
+
+    ``on_bad_utf8``: ``error`` raises :class:`DataError` naming the file and line; ``skip`` and
+    ``replace`` return the line decoded with U+FFFD replacements and report its number (the
+    caller drops such pairs for ``skip`` and counts them in both cases).
+    """
+    if on_bad_utf8 not in BAD_UTF8_MODES:
+        raise DataError(f"on_bad_utf8 must be one of {', '.join(BAD_UTF8_MODES)}: {on_bad_utf8!r}")
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not data:
+        return [], []
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if on_bad_utf8 == "error":
+            line_no = data.count(b"\n", 0, exc.start) + 1
+            col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise DataError(
+                f"{path}:{line_no}: invalid UTF-8 (byte 0x{data[exc.start]:02x} at column {col}); "
+                "use --on-bad-utf8 skip|replace to drop or repair such lines"
+            ) from None
+        raw = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raw.pop()
+        lines, bad = [], []
+        for i, b in enumerate(raw):
+            try:
+                lines.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                lines.append(b.decode("utf-8", errors="replace"))
+                bad.append(i)
+        return lines, bad
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    return lines, []
+
+
+def is_letterish(text: str) -> bool:
+    """True when ``text`` contains at least one letter (any script)."""
+    return any(unicodedata.category(c).startswith("L") for c in text)

@@ -1,0 +1,235 @@
+"""sacreBLEU evaluation of an export on a preprocessed DATA_DIR's raw dev/test references.
+
+    refs = references_from_manifest("data/opus100", "test")
+    report = evaluate(translator, refs, lowercase=False)
+    report["directions"]["de-en"]["bleu"], report["averages"]["x-en"]
+
+References are the raw, unfiltered dev/test text that tools/preprocess_data.py keeps in
+DATA_DIR (``manifest.json``: ``splits.<split>.references.<src>-<tgt>`` = ``{"src": path,
+"tgt": path}``, paths relative to DATA_DIR). The BLEU tokenizer follows the target language:
+``zh`` for Chinese, ``ja-mecab`` for Japanese when its dependencies are importable (else
+``char``), ``13a`` otherwise. chrF is reported beside BLEU. The JSON report (DESIGN.md §10):
+
+    {"directions": {"de-en": {"bleu": 31.2, "chrf": 55.0, "signature": "nrefs:1|case:mixed|..."}},
+     "averages": {"x-en": 31.2, "en-x": ..., "all": ...}}
+
+``x-en`` averages the directions into the pivot language (English), ``en-x`` those out of
+it, ``all`` every direction reported; an average with no direction is null. Directions between
+two non-pivot languages (zero-shot), when the manifest has references for them, count in
+``all`` and get their own ``zero-shot`` average.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from sacrebleu.metrics import BLEU, CHRF
+
+from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
+
+MANIFEST = "manifest.json"
+
+
+class EvaluationError(ValueError):
+    """Bad evaluation input (manifest, references, directions): a one-line message."""
+
+
+@dataclass
+class DirectionData:
+    """One direction's source and reference files."""
+
+    src_lang: str
+    tgt_lang: str
+    src_path: Path
+    ref_path: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.src_lang}-{self.tgt_lang}"
+
+
+def _read_manifest(data_dir: Path) -> dict[str, Any]:
+    path = data_dir / MANIFEST
+    if not path.is_file():
+        raise EvaluationError(f"{path}: missing (not a preprocessed DATA_DIR?)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EvaluationError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise EvaluationError(f"{path}: expected a JSON object")
+    return manifest
+
+
+def references_from_manifest(data_dir: str | Path, split: str) -> dict[str, DirectionData]:
+    """{"de-en": DirectionData, ...} for every direction with references in ``split``.
+
+    Reads ``manifest["splits"][split]["references"]`` (each entry ``{"src": path, "tgt":
+    path}``, relative to DATA_DIR). Missing files are errors naming them.
+    """
+    data_dir = Path(data_dir)
+    manifest = _read_manifest(data_dir)
+    where = data_dir / MANIFEST
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict):
+        raise EvaluationError(f"{where}: no 'splits' section")
+    if split not in splits:
+        known = ", ".join(s for s in splits if isinstance(splits[s], dict) and "references" in splits[s])
+        raise EvaluationError(f"{where}: no split {split!r} (splits with references: {known or 'none'})")
+    refs = splits[split].get("references") if isinstance(splits[split], dict) else None
+    if not isinstance(refs, dict) or not refs:
+        raise EvaluationError(f"{where}: split {split!r} has no references")
+    out: dict[str, DirectionData] = {}
+    for name, entry in sorted(refs.items()):
+        parts = name.split("-")
+        if len(parts) != 2 or not all(parts) or not isinstance(entry, dict):
+            raise EvaluationError(f"{where}: bad reference entry {name!r} in split {split!r}")
+        try:
+            src, ref = data_dir / entry["src"], data_dir / entry["tgt"]
+        except (KeyError, TypeError):
+            raise EvaluationError(f"{where}: reference {name!r} needs 'src' and 'tgt' paths") from None
+        for path in (src, ref):
+            if not path.is_file():
+                raise EvaluationError(f"{path}: missing (listed in {where} for {split} {name})")
+        out[name] = DirectionData(parts[0], parts[1], src, ref)
+    return out
+
+
+def pivot_language(data_dir: str | Path) -> str:
+    """The pivot language of a DATA_DIR (manifest ``pivot``; English when not recorded)."""
+    return str(_read_manifest(Path(data_dir)).get("pivot", "en"))
+
+
+@cache
+def _ja_mecab_available() -> bool:
+    try:
+        BLEU(tokenize="ja-mecab")
+    except Exception:  # noqa: BLE001 - sacreBLEU raises RuntimeError/ImportError variants
+        return False
+    return True
+
+
+def bleu_tokenizer(tgt_lang: str) -> str:
+    """sacreBLEU tokenizer for a target language: zh, ja-mecab (or char), else 13a."""
+    base = tgt_lang.lower().split("_")[0].split("-")[0]
+    if base == "zh":
+        return "zh"
+    if base == "ja":
+        return "ja-mecab" if _ja_mecab_available() else "char"
+    return "13a"
+
+
+def score_direction(
+    hypotheses: Sequence[str], references: Sequence[str], tgt_lang: str, lowercase: bool = False
+) -> dict[str, Any]:
+    """{"bleu", "chrf", "signature"} of one direction (corpus-level, one reference)."""
+    if len(hypotheses) != len(references):
+        raise EvaluationError(
+            f"{len(hypotheses)} hypotheses for {len(references)} references ({tgt_lang})"
+        )
+    bleu = BLEU(tokenize=bleu_tokenizer(tgt_lang), lowercase=lowercase)
+    chrf = CHRF(lowercase=lowercase)
+    hyps, refs = list(hypotheses), [list(references)]
+    b = bleu.corpus_score(hyps, refs)
+    c = chrf.corpus_score(hyps, refs)
+    return {
+        "bleu": round(float(b.score), 4),
+        "chrf": round(float(c.score), 4),
+        "signature": str(bleu.get_signature()),
+    }
+
+
+def averages(directions: dict[str, dict[str, Any]], pivot: str = "en") -> dict[str, float | None]:
+    """BLEU averages over x->pivot, pivot->x, all (and zero-shot when there is any)."""
+
+    def mean(names: list[str]) -> float | None:
+        if not names:
+            return None
+        return round(sum(directions[n]["bleu"] for n in names) / len(names), 4)
+
+    pairs = {n: n.split("-") for n in directions}
+    out = {
+        "x-en": mean([n for n, (s, t) in pairs.items() if t == pivot and s != pivot]),
+        "en-x": mean([n for n, (s, t) in pairs.items() if s == pivot and t != pivot]),
+        "all": mean(list(directions)),
+    }
+    zero_shot = [n for n, (s, t) in pairs.items() if pivot not in (s, t)]
+    if zero_shot:
+        out["zero-shot"] = mean(zero_shot)
+    return out
+
+
+def _read(path: Path) -> list[str]:
+    try:
+        return split_lines(path.read_bytes(), str(path))
+    except OSError as exc:
+        raise EvaluationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def select_directions(
+    available: dict[str, DirectionData], wanted: Sequence[str] | None
+) -> list[DirectionData]:
+    """The directions to evaluate: all, or the ``wanted`` ones (each must exist)."""
+    if not wanted:
+        return list(available.values())
+    missing = [w for w in wanted if w not in available]
+    if missing:
+        raise EvaluationError(
+            f"--directions {','.join(missing)}: no references (available: {', '.join(available)})"
+        )
+    return [available[w] for w in wanted]
+
+
+def evaluate(
+    translator: Translator,
+    directions: Sequence[DirectionData],
+    opts: SearchOptions | None = None,
+    lowercase: bool = False,
+    hyp_dir: str | Path | None = None,
+    max_sentences: int | None = None,
+    pivot: str = "en",
+    progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+) -> dict[str, Any]:
+    """Translate and score every direction; returns the JSON report (module docstring).
+
+    ``hyp_dir`` receives the detokenised hypotheses as ``<src>-<tgt>.txt``. ``progress(name,
+    total)`` may return a per-batch callback (e.g. a tqdm bar's update).
+    """
+    results: dict[str, dict[str, Any]] = {}
+    if hyp_dir is not None:
+        Path(hyp_dir).mkdir(parents=True, exist_ok=True)
+    for d in directions:
+        sources, refs = _read(d.src_path), _read(d.ref_path)
+        if len(sources) != len(refs):
+            raise EvaluationError(
+                f"{d.src_path} has {len(sources)} lines but {d.ref_path} has {len(refs)}"
+            )
+        if max_sentences is not None:
+            sources, refs = sources[:max_sentences], refs[:max_sentences]
+        callback = progress(d.name, len(sources)) if progress is not None else None
+        hyps = translator.translate(sources, d.src_lang, d.tgt_lang, opts, callback)
+        if hyp_dir is not None:
+            text = "".join(h + "\n" for h in hyps)
+            (Path(hyp_dir) / f"{d.name}.txt").write_text(text, encoding="utf-8")
+        results[d.name] = score_direction(hyps, refs, d.tgt_lang, lowercase)
+    return {"directions": results, "averages": averages(results, pivot)}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of a report: one row per direction, then the averages."""
+    rows = [f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer"]
+    for name, r in report["directions"].items():
+        tok = next((p.split(":", 1)[1] for p in r["signature"].split("|") if p.startswith("tok:")), "?")
+        rows.append(f"{name:<12} {r['bleu']:>7.2f} {r['chrf']:>7.2f}  {tok}")
+    rows.append("-" * 38)
+    for name, value in report["averages"].items():
+        shown = "-" if value is None else f"{value:.2f}"
+        rows.append(f"{'avg ' + name:<12} {shown:>7}")
+    sigs = sorted({r["signature"] for r in report["directions"].values()})
+    rows += [f"signature: {s}" for s in sigs]
+    return "\n".join(rows)

@@ -1,0 +1,333 @@
+"""The export directory: what users exchange and what translate.py / evaluate.py load.
+
+    EXPORT_DIR/
+      model.safetensors   flat state dict of the (folded) model; the shared embedding once
+      config.yaml         ``model:`` section (residual "postln" once a Post-LN-family scheme is folded)
+      spm.model           the joint SentencePiece model (when one was given)
+      export.json         provenance: source checkpoint, step, alpha, original scheme, languages,
+                          and the sha256 of every file above
+
+    save_export(model, "exports/run1", "data/spm.model", {"source_checkpoint": ..., "languages": [...]})
+    model, sp, meta = load_export("exports/run1")
+
+Loading never unpickles anything: weights come from safetensors, the rest is YAML and JSON.
+A Post-LN-family model (postln, deepnorm, branchnorm at its current step) is folded into a
+vanilla Post-LN model before saving; a Pre-LN model is saved as Pre-LN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from megatron_branchnorm.config import ConfigError, ModelConfig, validate_model
+from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
+from megatron_branchnorm.model.residual import Scheme, branchnorm_alpha, residual_constants
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.yaml"
+SPM = "spm.model"
+META = "export.json"
+EXPORT_FORMAT = "megatron_branchnorm-export"
+EXPORT_VERSION = 1
+
+
+class ExportError(ValueError):
+    """A missing, corrupt or inconsistent export directory: the message names the file."""
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+
+
+def export_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
+    """The model's tensors, each stored once (tied tensors keep their first name), contiguous
+    and detached on CPU: what ``model.safetensors`` holds."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
+    """The factor that was folded: BranchNorm's alpha_t, DeepNorm's (encoder, decoder) alphas."""
+    scheme = Scheme(model.cfg.residual)
+    if scheme is Scheme.BRANCHNORM:
+        cfg = model.cfg
+        return branchnorm_alpha(model.step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
+    if scheme is Scheme.DEEPNORM:
+        consts = residual_constants(scheme.value, model.cfg.encoder_layers, model.cfg.decoder_layers)
+        return {"encoder": consts["encoder"][0], "decoder": consts["decoder"][0]}
+    return 1.0
+
+
+def save_export(
+    model: EncoderDecoder,
+    out_dir: str | Path,
+    spm_model_path: str | Path | None = None,
+    meta: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` (folded to Post-LN unless it is Pre-LN) as an export directory.
+
+    ``meta`` adds provenance to ``export.json`` (e.g. ``source_checkpoint``, ``languages``,
+    ``tag``, ``averaged``); ``step``, ``alpha``, ``scheme`` and ``residual`` are filled in from
+    the model. Everything is written to a temporary directory beside ``out_dir`` that is renamed
+    at the end. An existing non-empty ``out_dir`` is an error unless ``overwrite``.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ExportError(f"{out_dir}: already exists and is not empty (pass overwrite)")
+    if spm_model_path is not None and not Path(spm_model_path).is_file():
+        raise ExportError(f"{spm_model_path}: SentencePiece model not found")
+    scheme = Scheme(model.cfg.residual)
+    alpha = _residual_alpha(model)
+    exported = model if scheme in (Scheme.PRELN, Scheme.POSTLN) else fold_to_postln(model)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(export_state_dict(exported), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        model_dict = dataclasses.asdict(exported.cfg)
+        (tmp / CONFIG).write_text(
+            yaml.safe_dump({"model": model_dict}, sort_keys=False), encoding="utf-8"
+        )
+        files = [WEIGHTS, CONFIG]
+        if spm_model_path is not None:
+            shutil.copyfile(spm_model_path, tmp / SPM)
+            files.append(SPM)
+        info: dict[str, Any] = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION}
+        info.update(meta or {})
+        info.update(
+            {
+                "step": int(model.step),
+                "alpha": alpha,
+                "scheme": scheme.value,
+                "residual": exported.cfg.residual,
+                "sha256": {name: _sha256(tmp / name) for name in files},
+            }
+        )
+        with open(tmp / META, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2, ensure_ascii=False, sort_keys=False)
+            f.write("\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def model_config_from_dict(data: Any, where: str) -> ModelConfig:
+    """A validated ModelConfig from the ``model`` mapping of ``config.yaml``; errors name the
+    file and the key."""
+    if not isinstance(data, dict):
+        raise ExportError(f"{where}: expected a 'model' mapping")
+    hints = typing.get_type_hints(ModelConfig)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ExportError(f"{where}: unknown key model.{key}")
+        tp = hints[key]
+        allowed = tuple(a for a in typing.get_args(tp) if a is not type(None)) or (tp,)
+        ok = value is None and type(None) in typing.get_args(tp)
+        ok = ok or (isinstance(value, allowed) and not isinstance(value, bool)) or (
+            float in allowed and isinstance(value, int) and not isinstance(value, bool)
+        )
+        if not ok:
+            raise ExportError(f"{where}: model.{key} has a bad value {value!r}")
+        kwargs[key] = float(value) if allowed == (float,) else value
+    cfg = ModelConfig(**kwargs)
+    try:
+        validate_model(cfg)
+    except ConfigError as exc:
+        raise ExportError(f"{where}: {exc}") from None
+    return cfg
+
+
+def _read_meta(export_dir: Path) -> dict[str, Any]:
+    path = export_dir / META
+    if not path.is_file():
+        raise ExportError(f"{path}: missing (not an export directory?)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"{path}: not a {EXPORT_FORMAT} file")
+    if meta.get("version") != EXPORT_VERSION:
+        raise ExportError(f"{path}: unsupported export version {meta.get('version')!r}")
+    return meta
+
+
+def read_export_config(export_dir: str | Path) -> ModelConfig:
+    """The ModelConfig stored in ``export_dir/config.yaml``."""
+    path = Path(export_dir) / CONFIG
+    if not path.is_file():
+        raise ExportError(f"{path}: missing")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        msg = " ".join(str(exc).split())
+        raise ExportError(f"{path}: cannot read ({msg})") from None
+    if not isinstance(data, dict) or set(data) != {"model"}:
+        raise ExportError(f"{path}: expected exactly one section 'model'")
+    return model_config_from_dict(data["model"], str(path))
+
+
+def _verify_checksums(export_dir: Path, meta: dict[str, Any]) -> None:
+    sums = meta.get("sha256", {})
+    for name, expected in sums.items():
+        path = export_dir / name
+        if not path.is_file():
+            raise ExportError(f"{path}: missing (listed in {META})")
+        if _sha256(path) != expected:
+            raise ExportError(f"{path}: checksum mismatch (corrupt or modified file)")
+
+
+def load_export(
+    export_dir: str | Path, device: str | torch.device = "cpu", verify: bool = True
+) -> tuple[EncoderDecoder, Any, dict[str, Any]]:
+    """(model in eval mode, SentencePieceProcessor or None, export.json contents).
+
+    Reads safetensors, YAML and JSON only. ``verify`` checks the sha256 sums of export.json.
+    Raises ExportError naming the missing or corrupt file.
+    """
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise ExportError(f"{export_dir}: not a directory (an export directory is expected)")
+    meta = _read_meta(export_dir)
+    cfg = read_export_config(export_dir)
+    weights = export_dir / WEIGHTS
+    if not weights.is_file():
+        raise ExportError(f"{weights}: missing")
+    if verify:
+        _verify_checksums(export_dir, meta)
+    try:
+        state = load_file(str(weights), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        msg = " ".join(str(exc).split())
+        raise ExportError(f"{weights}: not a readable safetensors file ({msg})") from None
+    model = build_model(cfg, seed=0)
+    expected = export_state_dict(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise ExportError(f"{weights}: tensors do not match {CONFIG} ({what})")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ExportError(
+                f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"{CONFIG} implies {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
+        model.set_step(int(meta.get("step", 1)))
+    model.to(device).eval()
+    return model, _load_spm(export_dir, meta), meta
+
+
+def _load_spm(export_dir: Path, meta: dict[str, Any]) -> Any:
+    path = export_dir / SPM
+    if not path.is_file():
+        if SPM in meta.get("sha256", {}):
+            raise ExportError(f"{path}: missing (listed in {META})")
+        return None
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.Load(str(path))
+    except (OSError, RuntimeError) as exc:
+        msg = " ".join(str(exc).split())
+        raise ExportError(f"{path}: not a readable SentencePiece model ({msg})") from None
+    return processor
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint averaging
+# --------------------------------------------------------------------------------------------
+
+
+def average_state_dicts(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of state dicts with equal keys and shapes (``--average-last K``).
+
+    Floating-point tensors are summed in float64 and cast back to their dtype; other tensors
+    (counters, masks) must be equal across the inputs and are kept.
+    """
+    if not states:
+        raise ValueError("average_state_dicts: no state dicts given")
+    first = states[0]
+    for i, sd in enumerate(states[1:], start=1):
+        if set(sd) != set(first):
+            diff = sorted(set(sd) ^ set(first))
+            raise ValueError(f"average_state_dicts: state dict {i} has different keys {diff[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    n = len(states)
+    for name, ref in first.items():
+        tensors = [sd[name] for sd in states]
+        for i, t in enumerate(tensors):
+            if t.shape != ref.shape:
+                raise ValueError(
+                    f"average_state_dicts: {name} has shape {tuple(t.shape)} in state dict {i}, "
+                    f"{tuple(ref.shape)} in state dict 0"
+                )
+        if ref.is_floating_point():
+            acc = torch.zeros(ref.shape, dtype=torch.float64)
+            for t in tensors:
+                acc += t.detach().to("cpu", torch.float64)
+            out[name] = (acc / n).to(ref.dtype)
+        else:
+            if any(not torch.equal(t, ref) for t in tensors):
+                raise ValueError(f"average_state_dicts: non-float tensor {name} differs")
+            out[name] = ref.detach().clone()
+    return out
+
+
+def describe_export(meta: dict[str, Any]) -> str:
+    """One line about an export (for logs): scheme, step and alpha."""
+    alpha = meta.get("alpha")
+    if isinstance(alpha, float) and math.isfinite(alpha):
+        alpha = f"{alpha:.4g}"
+    return (
+        f"export: scheme={meta.get('scheme')} -> {meta.get('residual')}, step={meta.get('step')}, "
+        f"alpha={alpha}, languages={','.join(meta.get('languages', []) or []) or '?'}"
+    )

@@ -1,0 +1,152 @@
+"""The flat encoder-decoder: single process; the reference for tests, inference and export.
+
+    model = build_model(cfg.model, seed=1)
+    model.set_step(t)                               # BranchNorm alpha_t for update t
+    logits = model(src_tokens, prev_output_tokens)  # (B, T, V)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from megatron_branchnorm.config import ModelConfig, validate_model
+from megatron_branchnorm.model.attention import Cache, reorder_cache
+from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
+from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
+from megatron_branchnorm.model.residual import (
+    Residual,
+    Scheme,
+    branchnorm_alpha,
+    residual_constants,
+    stack_final_norm,
+)
+from megatron_branchnorm.tokens import PAD_ID
+
+
+class EncoderDecoder(nn.Module):
+    """Transformer encoder-decoder with shared embeddings and one residual scheme."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 1) -> None:
+        super().__init__()
+        validate_model(cfg)
+        self.cfg = cfg
+        consts = residual_constants(cfg.residual, cfg.encoder_layers, cfg.decoder_layers)
+        (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
+        self.embedding = TokenEmbedding(cfg, seed)
+        self.encoder_embed = Embed(cfg)
+        self.decoder_embed = Embed(cfg)
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(cfg, a_enc, b_enc, seed, i) for i in range(cfg.encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(cfg, a_dec, b_dec, seed, i) for i in range(cfg.decoder_layers)
+        )
+        eps, impl = cfg.layernorm_eps, cfg.layernorm_impl
+        self.encoder_final_norm = stack_final_norm(cfg.residual, cfg.hidden_size, eps, impl)
+        self.decoder_final_norm = stack_final_norm(cfg.residual, cfg.hidden_size, eps, impl)
+        self.step = 0
+        self.set_step(1)
+
+    # ---- BranchNorm factor ------------------------------------------------------------------
+
+    def residual_blocks(self) -> list[Residual]:
+        """Every residual block of the model, encoder first."""
+        return [m for m in self.modules() if isinstance(m, Residual)]
+
+    def set_step(self, step: int) -> float:
+        """Set BranchNorm's alpha_t for update ``step`` (from 1); returns alpha_t (1.0 for
+        other schemes). A freshly built model is at step 1."""
+        self.step = int(step)
+        alpha = 1.0
+        if Scheme(self.cfg.residual) is Scheme.BRANCHNORM:
+            alpha = branchnorm_alpha(step, self.cfg.branchnorm_steps, self.cfg.branchnorm_schedule)
+        for block in self.residual_blocks():
+            block.branch_scale = alpha
+        return alpha
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def encode(self, src_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src_tokens (B, S) -> (encoder states (B, S, C), padding mask (B, S))."""
+        pad_mask = src_tokens.eq(PAD_ID)
+        x = self.encoder_embed(src_tokens, self.embedding.weight)
+        for layer in self.encoder_layers:
+            x = layer(x, pad_mask)
+        return self.encoder_final_norm(x), pad_mask
+
+    def decode(
+        self,
+        prev_output_tokens: torch.Tensor,
+        memory: torch.Tensor,
+        memory_pad_mask: torch.Tensor,
+        caches: list[Cache] | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """prev_output_tokens (B, T) -> logits (B, T, V); with ``caches`` (one dict per
+        decoder layer), T new positions starting at ``start`` are decoded incrementally."""
+        x = self.decoder_embed(prev_output_tokens, self.embedding.weight, start)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, memory_pad_mask, None if caches is None else caches[i])
+        return output_logits(self.decoder_final_norm(x), self.embedding.weight)
+
+    def forward(self, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, S), (B, T) -> logits (B, T, V)."""
+        memory, pad_mask = self.encode(src_tokens)
+        return self.decode(prev_output_tokens, memory, pad_mask)
+
+    # ---- incremental decoding ---------------------------------------------------------------
+
+    def new_caches(self) -> list[Cache]:
+        """Empty key/value caches, one per decoder layer."""
+        return [{} for _ in self.decoder_layers]
+
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        memory: torch.Tensor,
+        memory_pad_mask: torch.Tensor,
+        caches: list[Cache],
+        step: int,
+    ) -> torch.Tensor:
+        """Last tokens (B,) at position ``step`` -> next-token logits (B, V), caches updated."""
+        return self.decode(tokens[:, None], memory, memory_pad_mask, caches, start=step)[:, 0]
+
+    @staticmethod
+    def reorder_caches(caches: list[Cache], new_order: torch.Tensor) -> None:
+        """Keep batch rows ``new_order`` of every cache (beam search)."""
+        reorder_cache(caches, new_order)
+
+
+def build_model(cfg: ModelConfig, seed: int = 1) -> EncoderDecoder:
+    """The flat encoder-decoder for ``cfg``; each layer's init is seeded from (seed, layer)."""
+    return EncoderDecoder(cfg, seed)
+
+
+def fold_to_postln(model: EncoderDecoder) -> EncoderDecoder:
+    """A vanilla Post-LN model computing the same function as ``model``.
+
+    Each block's residual weight folds into its sublayer's output projection (weight and
+    bias): BranchNorm at the model's current alpha_t exactly; DeepNorm up to LayerNorm's
+    epsilon (LN(a x + F x) = LN(x + F x / a) only approximately). Pre-LN cannot be folded.
+    """
+    scheme = Scheme(model.cfg.residual)
+    if scheme is Scheme.PRELN:
+        raise ValueError("fold_to_postln: a Pre-LN model has no Post-LN equivalent")
+    cfg = dataclasses.replace(model.cfg, residual=Scheme.POSTLN.value)
+    folded = copy.deepcopy(model)
+    folded.cfg = cfg
+    for layer in list(folded.encoder_layers) + list(folded.decoder_layers):
+        for block, sublayer in layer.blocks():
+            scale = block.output_scale_for_postln()
+            out = sublayer.output_projection()
+            with torch.no_grad():
+                out.weight.mul_(scale)
+                out.bias.mul_(scale)
+            block.scheme = Scheme.POSTLN
+            block.alpha = 1.0
+            block.branch_scale = 1.0
+    return folded

@@ -1,0 +1,278 @@
+"""The residual schemes: the one place in the code base that knows what each scheme does.
+
+Every sublayer F (self-attention, cross-attention, feed-forward) sits in a residual block:
+
+    postln:      x = LN(x + F(x))                 vanilla Post-LN (Vaswani et al., 2017)
+    preln:       x = x + F(LN(x))                 plus a final LN after the last layer of a stack
+    deepnorm:    x = LN(alpha * x + F(x))         DeepNet (Wang et al., 2022)
+    branchnorm:  x = LN(x + alpha_t * F(x))       BranchNorm (Liu et al., ACL Findings 2024)
+
+F includes its output dropout. DeepNorm's alpha is a constant per stack (deepnorm_constants);
+BranchNorm's alpha_t comes from the training step (branchnorm_alpha) and is set on the blocks
+as a Python float before every update, never stored as a parameter. After T steps BranchNorm
+is exactly Post-LN.
+
+Initialisation (DeepNet paper, Fig. 2 pseudocode): Xavier-normal with gain beta for the value
+and output projections of every attention (cross-attention included) and both FFN matrices;
+query and key projections keep gain 1. BranchNorm initialises the same way (its paper follows
+DeepNet here). Post-LN and Pre-LN use gain 1 everywhere. torchscale instead multiplies
+PyTorch's default nn.Linear init by its own beta (1.15 for the encoder); we follow the paper.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class Scheme(str, enum.Enum):
+    """Residual schemes, selected by ``model.residual``."""
+
+    POSTLN = "postln"
+    PRELN = "preln"
+    DEEPNORM = "deepnorm"
+    BRANCHNORM = "branchnorm"
+
+
+# --------------------------------------------------------------------------------------------
+# Constants and schedules
+# --------------------------------------------------------------------------------------------
+
+
+def deepnorm_constants(encoder_layers: int, decoder_layers: int) -> tuple[float, float, float, float]:
+    """DeepNet's encoder-decoder constants (alpha_enc, beta_enc, alpha_dec, beta_dec).
+
+    For an N-layer encoder and M-layer decoder (Wang et al., 2022, Table 1):
+    alpha_enc = 0.81 (N^4 M)^(1/16), beta_enc = 0.87 (N^4 M)^(-1/16),
+    alpha_dec = (3M)^(1/4),          beta_dec = (12M)^(-1/4).
+    """
+    n, m = float(encoder_layers), float(decoder_layers)
+    alpha_enc = 0.81 * (n**4 * m) ** (1.0 / 16.0)
+    beta_enc = 0.87 * (n**4 * m) ** (-1.0 / 16.0)
+    alpha_dec = (3.0 * m) ** 0.25
+    beta_dec = (12.0 * m) ** -0.25
+    return alpha_enc, beta_enc, alpha_dec, beta_dec
+
+
+EXP_RATE = 5.0
+"""k of the exp schedule: alpha_t = exp(-k (1 - t/T))."""
+SIGMOID_SLOPE = 10.0
+"""s of the sigmoid schedule: alpha_t = 1 / (1 + exp(-s (t/T - 1/2)))."""
+
+
+def branchnorm_alpha(step: int, total_steps: int, schedule: str = "linear") -> float:
+    """BranchNorm's branch factor alpha_t for the update ``step`` (counted from 1).
+
+    With r = step / total_steps (T = ``total_steps``), every schedule is 1.0 for r >= 1:
+      linear  (the paper's): alpha_t = min(1, r)
+      exp:                   alpha_t = exp(-5 (1 - r))              (e^-5 ~ 0.0067 at r = 0)
+      sigmoid:               alpha_t = 1 / (1 + exp(-10 (r - 1/2)))  (~0.0067 at r = 0)
+    The exp and sigmoid variants are the paper's Fig. 7 alternatives; both are monotone and
+    lie in (0, 1]. Step 0 (before any update) gives 0 for linear.
+    """
+    if total_steps < 1:
+        raise ValueError(f"branchnorm total_steps must be >= 1, got {total_steps}")
+    r = max(float(step), 0.0) / float(total_steps)
+    if r >= 1.0:
+        return 1.0
+    if schedule == "linear":
+        return r
+    if schedule == "exp":
+        return math.exp(-EXP_RATE * (1.0 - r))
+    if schedule == "sigmoid":
+        return 1.0 / (1.0 + math.exp(-SIGMOID_SLOPE * (r - 0.5)))
+    raise ValueError(f"unknown branchnorm schedule {schedule!r} (linear, exp, sigmoid)")
+
+
+def residual_constants(
+    scheme: str, encoder_layers: int, decoder_layers: int
+) -> dict[str, tuple[float, float]]:
+    """Per stack ("encoder", "decoder"): (residual alpha, init gain beta) for ``scheme``."""
+    scheme = Scheme(scheme)
+    if scheme in (Scheme.DEEPNORM, Scheme.BRANCHNORM):
+        a_enc, b_enc, a_dec, b_dec = deepnorm_constants(encoder_layers, decoder_layers)
+        if scheme is Scheme.BRANCHNORM:  # BranchNorm keeps DeepNet's init, not its alpha
+            a_enc = a_dec = 1.0
+        return {"encoder": (a_enc, b_enc), "decoder": (a_dec, b_dec)}
+    return {"encoder": (1.0, 1.0), "decoder": (1.0, 1.0)}
+
+
+# --------------------------------------------------------------------------------------------
+# Initialisation: sublayers declare their projections; nothing here matches names
+# --------------------------------------------------------------------------------------------
+
+
+def xavier_normal_chunks_(
+    weight: torch.Tensor, gains: Sequence[float], generator: torch.Generator | None = None
+) -> None:
+    """Xavier-normal init of a weight stacking len(gains) equal [out/k, in] projections.
+
+    Fans are computed per chunk, so a fused QKV weight gets exactly the init of three
+    separate projections: std_i = gain_i * sqrt(2 / (fan_in + fan_out / k)).
+    """
+    out_features, in_features = weight.shape
+    k = len(gains)
+    if out_features % k:
+        raise ValueError(f"weight of {out_features} rows does not split into {k} chunks")
+    rows = out_features // k
+    with torch.no_grad():
+        for i, gain in enumerate(gains):
+            std = gain * math.sqrt(2.0 / float(in_features + rows))
+            weight[i * rows : (i + 1) * rows].normal_(0.0, std, generator=generator)
+
+
+def init_sublayer(sublayer: nn.Module, beta: float, generator: torch.Generator | None) -> None:
+    """Initialise a sublayer's projections: gain ``beta`` on branch chunks, 1 elsewhere.
+
+    ``sublayer.projections()`` yields ``(linear, is_branch_per_chunk)``: e.g. a fused QKV
+    projection yields ``(qkv, (False, False, True))`` (q, k keep gain 1; v gets beta).
+    """
+    for linear, branch_chunks in sublayer.projections():
+        gains = [beta if is_branch else 1.0 for is_branch in branch_chunks]
+        xavier_normal_chunks_(linear.weight, gains, generator)
+        if linear.bias is not None:
+            with torch.no_grad():
+                linear.bias.zero_()
+
+
+def layer_generator(seed: int, kind: str, index: int) -> torch.Generator:
+    """A generator seeded from (seed, kind, index): a layer's init never depends on which
+    other layers a process builds (whole model, or any pipeline stage)."""
+    kinds = {"embed": 0, "encoder": 1, "decoder": 2}
+    mixed = (int(seed) * 1_000_003 + kinds[kind] * 100_003 + int(index) * 7919 + 17) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm: Apex FusedLayerNorm or torch
+# --------------------------------------------------------------------------------------------
+
+
+def apex_layernorm_class() -> type | None:
+    """``apex.normalization.FusedLayerNorm`` when NVIDIA Apex is importable, else None."""
+    try:
+        module = importlib.import_module("apex.normalization")
+    except Exception:  # noqa: BLE001 - a missing or broken Apex both mean "not available"
+        return None
+    return getattr(module, "FusedLayerNorm", None)
+
+
+def select_layernorm(impl: str, device_type: str) -> str:
+    """Which implementation runs for ``impl`` (auto|apex|torch) on ``device_type``.
+
+    auto: Apex on CUDA tensors when importable, else torch. apex: Apex always (Apex itself
+    falls back to torch on CPU tensors); an error when not importable.
+    """
+    if impl == "torch":
+        return "torch"
+    available = apex_layernorm_class() is not None
+    if impl == "apex":
+        if not available:
+            raise RuntimeError(
+                "model.layernorm_impl=apex but apex.normalization.FusedLayerNorm is not "
+                "importable (build NVIDIA Apex from source; README: Apex)"
+            )
+        return "apex"
+    if impl == "auto":
+        return "apex" if available and device_type == "cuda" else "torch"
+    raise ValueError(f"unknown layernorm_impl {impl!r} (auto, apex, torch)")
+
+
+def describe_layernorm(impl: str, device_type: str) -> str:
+    """One line for the start-up log: which LayerNorm runs and why."""
+    choice = select_layernorm(impl, device_type)
+    if choice == "apex":
+        return f"LayerNorm: apex FusedLayerNorm (layernorm_impl={impl}, device={device_type})"
+    reason = "requested" if impl == "torch" else (
+        "apex not importable" if apex_layernorm_class() is None else f"device={device_type}"
+    )
+    return f"LayerNorm: torch.nn.LayerNorm (layernorm_impl={impl}, {reason})"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with parameters ``weight``/``bias`` (as torch's), run by Apex or torch."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, impl: str = "auto") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+        self.impl = impl
+        self.last_backend = ""
+        self._apex: dict[str, nn.Module] = {}  # not a submodule: no duplicate state-dict keys
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = select_layernorm(self.impl, x.device.type)
+        self.last_backend = backend
+        if backend == "apex":
+            fused = self._apex.get("m")
+            if fused is None:
+                fused = apex_layernorm_class()(self.weight.shape[0], eps=self.eps)
+                self._apex["m"] = fused
+            fused.weight, fused.bias = self.weight, self.bias
+            return fused(x)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# The residual block
+# --------------------------------------------------------------------------------------------
+
+
+class Residual(nn.Module):
+    """One residual block around a sublayer F, in the configured scheme.
+
+    ``forward(x, f)`` takes F as a callable so the caller can pass masks, memory or a cache.
+    Parameters (the LN's) are named identically in every scheme, so state dicts of
+    postln / deepnorm / branchnorm (and preln) models load into each other.
+    """
+
+    def __init__(
+        self, scheme: str, dim: int, dropout: float, alpha: float = 1.0,
+        eps: float = 1e-5, layernorm_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.scheme = Scheme(scheme)
+        self.norm = LayerNorm(dim, eps, layernorm_impl)
+        self.dropout = nn.Dropout(dropout)
+        self.alpha = float(alpha)  # DeepNorm's constant residual weight
+        self.branch_scale = 1.0  # BranchNorm's alpha_t, set from the step before each update
+
+    def forward(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.scheme is Scheme.POSTLN:
+            return self.norm(x + self.dropout(f(x)))
+        if self.scheme is Scheme.PRELN:
+            return x + self.dropout(f(self.norm(x)))
+        if self.scheme is Scheme.DEEPNORM:
+            return self.norm(self.alpha * x + self.dropout(f(x)))
+        return self.norm(x + self.branch_scale * self.dropout(f(x)))  # BRANCHNORM
+
+    def output_scale_for_postln(self) -> float:
+        """The factor c with which this block equals Post-LN once F's output is scaled by c.
+
+        LN is invariant to a positive scale of its input (up to epsilon), so
+        LN(a x + F(x)) = LN(x + F(x) / a) and LN(x + s F(x)) is Post-LN with F scaled by s.
+        """
+        if self.scheme is Scheme.POSTLN:
+            return 1.0
+        if self.scheme is Scheme.DEEPNORM:
+            return 1.0 / self.alpha
+        if self.scheme is Scheme.BRANCHNORM:
+            return self.branch_scale
+        raise ValueError("a Pre-LN block has no Post-LN equivalent")
+
+
+def stack_final_norm(scheme: str, dim: int, eps: float, layernorm_impl: str) -> nn.Module:
+    """The LN after the last layer of a stack: Pre-LN needs one; the others none."""
+    if Scheme(scheme) is Scheme.PRELN:
+        return LayerNorm(dim, eps, layernorm_impl)
+    return nn.Identity()

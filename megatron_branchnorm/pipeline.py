@@ -1,0 +1,230 @@
+"""The encoder-decoder as a DeepSpeed PipelineModule, built from the flat model's layer classes.
+
+What crosses a stage boundary (DESIGN.md §8: every float tensor received gets requires_grad
+and must get a gradient back; ids and masks travel as integer tensors):
+
+    embed, enc_i, enc_final:   (x_enc (B,S,C) float, src_tokens (B,S) long, prev_tokens (B,T) long)
+    dec_embed, dec_j (j < M):  (x_dec (B,T,C) float, memory (B,S,C) float, src_tokens long)
+    dec_M, dec_final:          x_dec (B,T,C)   (memory dropped where its last user is)
+    output:                    logits (B,T,V) -> loss_fn(logits, target)
+
+The encoder output (memory) travels through every decoder stage and collects gradient from
+each cross-attention. The padding mask is recomputed from src_tokens on each stage. BranchNorm's
+alpha_t is a Python float set on each stage's residual blocks before every update
+(:func:`set_pipeline_step`), never a tensor that crosses stages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from megatron_branchnorm.config import ModelConfig
+from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
+from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
+from megatron_branchnorm.model.loss import label_smoothed_nll_loss
+from megatron_branchnorm.model.residual import (
+    Residual,
+    Scheme,
+    branchnorm_alpha,
+    residual_constants,
+    stack_final_norm,
+)
+from megatron_branchnorm.partition import spec_entries
+from megatron_branchnorm.tokens import PAD_ID
+
+
+class SharedEmbeddingPipe(nn.Module):
+    """The tied embedding: encoder input here (forward), decoder input and output projection
+    through ``decoder_embed_fn`` / ``output_fn`` on the stages that hold those entries."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        super().__init__()
+        self.embedding = TokenEmbedding(cfg, seed)
+        self.encoder_embed = Embed(cfg)
+        self.decoder_embed = Embed(cfg)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        src_tokens, prev_tokens = inputs
+        return self.encoder_embed(src_tokens, self.embedding.weight), src_tokens, prev_tokens
+
+
+def decoder_embed_fn(module: SharedEmbeddingPipe, inputs: tuple[torch.Tensor, ...]):
+    """(memory, src, prev) -> (x_dec, memory, src)."""
+    memory, src_tokens, prev_tokens = inputs
+    return module.decoder_embed(prev_tokens, module.embedding.weight), memory, src_tokens
+
+
+def output_fn(module: SharedEmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """x_dec (B, T, C) -> logits (B, T, V) through the shared matrix."""
+    return output_logits(x, module.embedding.weight)
+
+
+class EncoderLayerPipe(EncoderLayer):
+    """An EncoderLayer on the (x, src, prev) tuple; same parameter names as EncoderLayer."""
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x, src_tokens, prev_tokens = inputs
+        return super().forward(x, src_tokens.eq(PAD_ID)), src_tokens, prev_tokens
+
+
+class FinalNormPipe(nn.Module):
+    """A stack's final norm (Pre-LN) or identity, on the first tensor of the tuple."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = stack_final_norm(
+            cfg.residual, cfg.hidden_size, cfg.layernorm_eps, cfg.layernorm_impl
+        )
+
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            return (self.norm(inputs[0]), *inputs[1:])
+        return self.norm(inputs)
+
+
+class DecoderLayerPipe(DecoderLayer):
+    """A DecoderLayer on (x, memory, src); the last one returns x alone, so memory's gradient
+    is complete on the stage of its last user."""
+
+    def __init__(self, cfg: ModelConfig, alpha: float, beta: float, seed: int, index: int) -> None:
+        super().__init__(cfg, alpha, beta, seed, index)
+        self.is_last = index == cfg.decoder_layers - 1
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]):
+        x, memory, src_tokens = inputs
+        x = super().forward(x, memory, src_tokens.eq(PAD_ID))
+        return x if self.is_last else (x, memory, src_tokens)
+
+
+CHECKPOINTABLE = ["EncoderLayerPipe", "DecoderLayerPipe"]
+
+
+def layer_specs(cfg: ModelConfig, seed: int) -> list:
+    """The DeepSpeed layer list; each entry is built only on the stage that owns it."""
+    consts = residual_constants(cfg.residual, cfg.encoder_layers, cfg.decoder_layers)
+    (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
+    specs = []
+    for entry in spec_entries(cfg):
+        if entry.kind == "embed":
+            specs.append(
+                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed,
+                              tied_weight_attr=["embedding.weight"])
+            )
+        elif entry.kind == "enc":
+            specs.append(LayerSpec(EncoderLayerPipe, cfg, a_enc, b_enc, seed, entry.layer))
+        elif entry.kind in ("enc_final", "dec_final"):
+            specs.append(LayerSpec(FinalNormPipe, cfg))
+        elif entry.kind == "dec_embed":
+            specs.append(
+                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed, forward_fn=decoder_embed_fn,
+                              tied_weight_attr=["embedding.weight"])
+            )
+        elif entry.kind == "dec":
+            specs.append(LayerSpec(DecoderLayerPipe, cfg, a_dec, b_dec, seed, entry.layer))
+        else:  # output
+            specs.append(
+                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed, forward_fn=output_fn,
+                              tied_weight_attr=["embedding.weight"])
+            )
+    return specs
+
+
+class PipeLoss:
+    """Label-smoothed CE on the last stage, normalised per target token of the whole update.
+
+    DeepSpeed averages the returned loss over micro-batches (1/gas) and data-parallel ranks
+    (1/dp); we return ``loss_sum * scale`` with ``scale = gas * dp / N`` (N the non-pad
+    target tokens of the update across all micro-batches and ranks), so the gradient is that
+    of sum(loss) / N. Sums are kept for logging.
+    """
+
+    def __init__(self, label_smoothing: float) -> None:
+        self.label_smoothing = label_smoothing
+        self.scale = 1.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Clear the accumulated sums."""
+        self.loss_sum = 0.0
+        self.nll_sum = 0.0
+        self.ntokens = 0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss, nll, ntok = label_smoothed_nll_loss(logits, target, self.label_smoothing)
+        self.loss_sum += float(loss.detach())
+        self.nll_sum += float(nll.detach())
+        self.ntokens += int(ntok)
+        return loss * self.scale
+
+
+class EncDecPipelineModule(PipelineModule):
+    """PipelineModule with stage boundaries computed by us (partition.partition_plan).
+
+    DeepSpeed offers only 'uniform', 'parameters' (builds every layer on every rank: unusable
+    at 1000 layers) and 'type:regex'; we override its private ``_partition_layers`` to hand
+    it our boundaries. Pinned to deepspeed>=0.19.8,<0.20 in setup.py for that reason.
+    """
+
+    def __init__(self, layers: list, parts: list[int], **kwargs) -> None:
+        self._plan = list(parts)
+        super().__init__(layers, partition_method="plan", **kwargs)
+
+    def _partition_layers(self, method: str = "plan") -> None:
+        if len(self._plan) != self.num_stages + 1 or self._plan[-1] != len(self._layer_specs):
+            raise ValueError(
+                f"partition plan {self._plan} does not fit {self.num_stages} stages of "
+                f"{len(self._layer_specs)} layers"
+            )
+        self.parts = list(self._plan)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def build_pipeline_module(
+    cfg: ModelConfig,
+    parts: list[int],
+    seed: int,
+    loss_fn: PipeLoss,
+    activation_checkpoint_interval: int = 0,
+) -> EncDecPipelineModule:
+    """This rank's stage of the pipeline model (only its own layers are built).
+
+    Activation checkpointing (non-reentrant, so the embedding keeps its gradient) applies to
+    encoder/decoder layers only, every ``activation_checkpoint_interval`` layers.
+    """
+    return EncDecPipelineModule(
+        layer_specs(cfg, seed),
+        parts,
+        num_stages=len(parts) - 1,
+        loss_fn=loss_fn,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        ),
+        checkpointable_layers=CHECKPOINTABLE,
+        dynamic_shape=True,
+    )
+
+
+def set_pipeline_step(module: nn.Module, cfg: ModelConfig, step: int) -> float:
+    """Set BranchNorm's alpha_t for update ``step`` on this stage's residual blocks."""
+    alpha = 1.0
+    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
+        alpha = branchnorm_alpha(step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
+    for block in module.modules():
+        if isinstance(block, Residual):
+            block.branch_scale = alpha
+    return alpha
+
+
+def pipe_to_flat_key(entry_name: str, local_key: str) -> str:
+    """Flat-model state-dict key of ``local_key`` in the layer file of entry ``entry_name``."""
+    if entry_name == "embedding":
+        return local_key  # "embedding.weight"
+    if entry_name in ("encoder_final_norm", "decoder_final_norm"):
+        return f"{entry_name}.{local_key.removeprefix('norm.')}"
+    return f"{entry_name}.{local_key}"

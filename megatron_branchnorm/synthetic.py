@@ -1,0 +1,133 @@
+"""A deterministic synthetic translation task (copy or reverse), like fairseq's dummy MT data.
+
+Pair i: a task token (<copy> or <reverse>) and a random token sequence as source, the sequence
+or its reverse as target. Content depends only on (i, the vocabulary, max_length); the batch
+order depends on the training seed and epoch. Used for smoke tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
+
+FIRST_WORD = 6  # 0-3 specials, 4 <copy>, 5 <reverse>
+COPY, REVERSE = 4, 5
+
+
+class SyntheticData:
+    """``size`` pairs of the copy/reverse task over a vocabulary of ``vocab_size``."""
+
+    def __init__(self, size: int, vocab_size: int, max_length: int, split: str = "train") -> None:
+        if vocab_size <= FIRST_WORD + 1:
+            raise ValueError(f"synthetic data needs model.vocab_size > {FIRST_WORD + 1}")
+        offset = {"train": 0, "valid": 1, "test": 2}[split]
+        rng = np.random.default_rng([12345, offset])
+        lo, hi = 2, max(3, min(max_length - 1, 30))
+        self.lengths_raw = rng.integers(lo, hi + 1, size=size)
+        self.tokens = [rng.integers(FIRST_WORD, vocab_size, size=n) for n in self.lengths_raw]
+        self.task = rng.integers(0, 2, size=size)
+        self.vocab_size = vocab_size
+        self.directions = ["copy-reverse"]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source ids with task token and EOS, target ids with EOS)."""
+        words = self.tokens[i]
+        src = np.concatenate([[COPY if self.task[i] == 0 else REVERSE], words, [EOS_ID]])
+        tgt = np.concatenate([words if self.task[i] == 0 else words[::-1], [EOS_ID]])
+        return src, tgt
+
+    def sample_size(self, i: int) -> int:
+        """Padded cost of sample i: the longer of source and target."""
+        return int(self.lengths_raw[i]) + 2
+
+
+def collate(data, ids: list[int]) -> dict:
+    """Right-padded batch dict of long tensors for sample ``ids`` of ``data``."""
+    pairs = [data.pair(i) for i in ids]
+    s = max(len(p[0]) for p in pairs)
+    t = max(len(p[1]) for p in pairs)
+    src = torch.full((len(ids), s), PAD_ID, dtype=torch.long)
+    tgt = torch.full((len(ids), t), PAD_ID, dtype=torch.long)
+    prev = torch.full((len(ids), t), PAD_ID, dtype=torch.long)
+    for row, (a, b) in enumerate(pairs):
+        src[row, : len(a)] = torch.as_tensor(a)
+        tgt[row, : len(b)] = torch.as_tensor(b)
+        prev[row, 0] = BOS_ID
+        prev[row, 1 : len(b)] = torch.as_tensor(b[:-1])
+    return {
+        "src_tokens": src,
+        "prev_output_tokens": prev,
+        "target": tgt,
+        "ids": torch.as_tensor(ids, dtype=torch.long),
+        "ntokens": int((tgt != PAD_ID).sum()),
+        "src_ntokens": int((src != PAD_ID).sum()),
+    }
+
+
+class SyntheticBatches:
+    """Length-bucketed token-based batches over SyntheticData, infinite and resumable.
+
+    Epoch e: a permutation seeded by (seed, e), sorted by length inside windows of 64
+    batches' worth of samples, cut into batches of at most ``max_tokens`` padded tokens,
+    batch order shuffled. ``shuffle=False`` gives one pass in index order.
+    """
+
+    def __init__(self, data: SyntheticData, max_tokens: int, seed: int, shuffle: bool = True):
+        self.data, self.max_tokens, self.seed, self.shuffle = data, max_tokens, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._plan: list[list[int]] | None = None
+
+    def _make_plan(self, epoch: int) -> list[list[int]]:
+        n = len(self.data)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(n)
+        else:
+            order = np.arange(n)
+        sizes = np.array([self.data.sample_size(i) for i in range(n)])
+        window = 4096
+        batches: list[list[int]] = []
+        for w in range(0, n, window):
+            chunk = order[w : w + window]
+            chunk = chunk[np.argsort(sizes[chunk], kind="stable")]
+            cur: list[int] = []
+            longest = 0
+            for i in chunk.tolist():
+                longest_new = max(longest, sizes[i])
+                if cur and longest_new * (len(cur) + 1) > self.max_tokens:
+                    batches.append(cur)
+                    cur, longest_new = [], sizes[i]
+                cur.append(i)
+                longest = longest_new
+            if cur:
+                batches.append(cur)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 1])
+            batches = [batches[k] for k in rng.permutation(len(batches))]
+        return batches
+
+    def __iter__(self):
+        while True:
+            if self._plan is None:
+                self._plan = self._make_plan(self.epoch)
+            while self.position < len(self._plan):
+                ids = self._plan[self.position]
+                self.position += 1
+                yield collate(self.data, ids)
+            if not self.shuffle:
+                return
+            self.epoch, self.position, self._plan = self.epoch + 1, 0, None
+
+    def state_dict(self) -> dict:
+        """Position in the stream (epoch, batch index)."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._plan = None

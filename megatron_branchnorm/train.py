@@ -1,0 +1,58 @@
+"""Train a deep encoder-decoder with BranchNorm on DeepSpeed's pipeline engine.
+
+    deepspeed --num_gpus 2 megatron_branchnorm/train.py --config tiny_cpu pipeline.stages=2
+    python megatron_branchnorm/train.py --config tiny_cpu train.max_steps=20   # one process
+
+--config takes a YAML path or the name of a config shipped in megatron_branchnorm/configs/;
+``section.key=value`` arguments override it. Exit codes: 0 done, 2 bad input, 75 stopped by
+SIGUSR1/SIGTERM after a checkpoint (requeue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_branchnorm.checkpoint import CheckpointError  # noqa: E402
+from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """--config NAME [--local_rank N anywhere] [section.key=value ...]."""
+    parser = argparse.ArgumentParser(
+        description="Train a deep BranchNorm encoder-decoder on DeepSpeed's pipeline engine.",
+        epilog="Overrides: section.key=value, e.g. model.encoder_layers=12 train.max_steps=100",
+    )
+    parser.add_argument("--config", required=True, help="YAML path or shipped config name")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args, unknown = parser.parse_known_args(argv)
+    bad = [u for u in unknown if u.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides += unknown
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse, build, run."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from megatron_branchnorm.trainer import run
+
+        return run(cfg)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

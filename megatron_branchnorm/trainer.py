@@ -1,0 +1,554 @@
+"""The training loop on DeepSpeed's pipeline engine (DESIGN.md §4, §8).
+
+One code path for every topology: a single process is a 1-stage pipeline. Each update:
+
+1. every rank draws the update's ``micro_batches x dp`` micro-batches from one global,
+   seed-determined stream (so the order never depends on max_steps or on the topology) and
+   keeps its data-parallel share; the global target-token count N is known to all ranks;
+2. every stage sets BranchNorm's alpha_t for t = applied updates + 1 (a Python float);
+3. ``engine.train_batch()``; the loss is normalised per target token of the whole update;
+4. logging, validation, checkpoints, and a collective check for SIGUSR1/SIGTERM (save, exit
+   with REQUEUE_EXIT_CODE) and for the wall-clock budget (save, exit 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
+from megatron_branchnorm.model.residual import describe_layernorm
+from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
+from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, set_pipeline_step
+from megatron_branchnorm.tokens import PAD_ID
+
+logger = logging.getLogger("megatron_branchnorm")
+
+REQUEUE_EXIT_CODE = 75
+"""Exit code after a signal-triggered checkpoint (EX_TEMPFAIL): job scripts requeue on it."""
+
+ARCH_KEYS = (
+    "encoder_layers", "decoder_layers", "hidden_size", "ffn_hidden_size",
+    "num_attention_heads", "vocab_size", "residual",
+)
+YAML_OWNED_DS_KEYS = {
+    "train_batch_size": "train.micro_batches",
+    "train_micro_batch_size_per_gpu": "data.max_tokens",
+    "gradient_accumulation_steps": "train.micro_batches",
+    "gradient_clipping": "train.clip_grad",
+    "optimizer": "train.lr / train.adam_*",
+    "scheduler": "train.lr / train.warmup_steps",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Process set-up
+# --------------------------------------------------------------------------------------------
+
+
+def setup_process_env() -> None:
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for a single process or from SLURM, so
+    ``deepspeed.init_distributed`` never falls into MPI discovery."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("LOCAL_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    if "RANK" not in env:
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                env["MASTER_PORT"] = str(sock.getsockname()[1])
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def set_thread_count() -> int:
+    """torch threads = cores / local ranks (the launcher sets OMP only with core binding)."""
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    if local <= 0:
+        local = int(os.environ.get("WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(1, local))
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    return threads
+
+
+def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
+    """The DeepSpeed JSON with the keys our YAML owns filled in; conflicts are errors."""
+    path = Path(cfg.train.deepspeed_config)
+    if not path.is_file():
+        raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
+    try:
+        ds = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: top level must be an object")
+    for key, owner in YAML_OWNED_DS_KEYS.items():
+        if key in ds:
+            raise ConfigError(f"{path}: key {key} is owned by the YAML config ({owner}); remove it")
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if stage >= 2:
+        raise ConfigError(
+            f"{path}: zero_optimization.stage={stage}: DeepSpeed pipeline parallelism supports "
+            "ZeRO stage 0 or 1 only"
+        )
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ConfigError(f"{path}: fp16.enabled and bf16.enabled are both true")
+    ds["train_micro_batch_size_per_gpu"] = 1  # micro-batches are token-based: 1 "sample" each
+    ds["gradient_accumulation_steps"] = cfg.train.micro_batches
+    ds["train_batch_size"] = cfg.train.micro_batches * dp
+    ds["gradient_clipping"] = cfg.train.clip_grad  # DeepSpeed's default would be 1.0
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def inverse_sqrt_factor(cfg: ExperimentConfig):
+    """LR multiplier of update t = e + 1 (LambdaLR's epoch e): linear warm-up from
+    warmup_init_lr to lr over warmup_steps, then lr * sqrt(warmup_steps / t) (fairseq)."""
+    peak, init, warm = cfg.train.lr, cfg.train.warmup_init_lr, cfg.train.warmup_steps
+
+    def factor(e: int) -> float:
+        t = e + 1
+        if warm > 0 and t <= warm:
+            return (init + (peak - init) * t / warm) / peak
+        return math.sqrt(max(warm, 1) / t)
+
+    return factor
+
+
+class AdamW(torch.optim.AdamW):
+    """AdamW that records the global gradient norm for logging in fp32 mode (DeepSpeed's
+    bf16/fp16 optimizers compute their own)."""
+
+    norm_fn = None
+    pending_norm: float | None = None
+    _global_grad_norm: float | None = None
+
+    def step(self, closure=None):
+        if self.norm_fn is not None:
+            norm = self.pending_norm if self.pending_norm is not None else self.norm_fn()
+            self._global_grad_norm, self.pending_norm = norm, None
+        return super().step(closure)
+
+
+def pipeline_grad_norm(module: torch.nn.Module, group) -> float:
+    """L2 norm of all gradients over every pipeline stage, a tied weight counted once."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in module.parameters():
+        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return float(sq.sqrt())
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_vocab(cfg: ExperimentConfig) -> ExperimentConfig:
+    """model.vocab_size from the data manifest when unset; a mismatch is an error."""
+    if cfg.data.dataset == "synthetic":
+        if cfg.model.vocab_size is None:
+            raise ConfigError("config key model.vocab_size: required with data.dataset=synthetic")
+        return cfg
+    from megatron_branchnorm.data import open_manifest
+
+    manifest = open_manifest(cfg.data.dataset)
+    vocab = int(manifest["vocab_size"])
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
+        raise ConfigError(
+            f"config key model.vocab_size: {cfg.model.vocab_size} differs from the data "
+            f"manifest's vocab_size={vocab} ({cfg.data.dataset}/manifest.json)"
+        )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool):
+    """A batch iterator with state_dict()/load_state_dict() over the configured dataset."""
+    d = cfg.data
+    if d.dataset == "synthetic":
+        from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
+
+        size = d.synthetic_size if split == "train" else max(64, d.synthetic_size // 50)
+        data = SyntheticData(size, cfg.model.vocab_size, d.max_length, split)
+        return SyntheticBatches(data, d.max_tokens, cfg.train.seed, shuffle=shuffle)
+    from megatron_branchnorm.data import BatchSampler, TranslationData
+
+    data = TranslationData(d.dataset, split=split, max_length=d.max_length)
+    return BatchSampler(data, d.max_tokens, d.sampling_temperature, cfg.train.seed, shuffle=shuffle)
+
+
+def _src_tokens(batch: dict) -> int:
+    if "src_ntokens" in batch:
+        return int(batch["src_ntokens"])
+    return int((batch["src_tokens"] != PAD_ID).sum())
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Builds the stage of this rank, resumes if ``save_dir`` has a checkpoint, trains."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        setup_process_env()
+        self.threads = set_thread_count()
+        self.world = int(os.environ["WORLD_SIZE"])
+        stages = cfg.pipeline.stages
+        if self.world % stages:
+            raise ConfigError(
+                f"config key pipeline.stages: {stages} does not divide the world size {self.world}"
+            )
+        self.dp = self.world // stages
+        cfg = resolve_vocab(cfg)
+        self.cfg = cfg
+        self.ds_config = load_ds_config(cfg, self.dp)
+        self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
+        self.save_dir = Path(cfg.train.save_dir)
+        self.stop_signal = 0
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(
+            dist_backend=backend, timeout=datetime.timedelta(minutes=10)
+        )
+        self.rank = dist.get_rank()
+        torch.manual_seed(cfg.train.seed + self.rank)
+        self.loss_fn = PipeLoss(cfg.train.label_smoothing)
+        module = build_pipeline_module(
+            cfg.model, self.parts, cfg.train.seed, self.loss_fn,
+            cfg.pipeline.activation_checkpoint_interval,
+        )
+        self.fp32 = not (
+            self.ds_config.get("fp16", {}).get("enabled") or self.ds_config.get("bf16", {}).get("enabled")
+        )
+        t = cfg.train
+        optimizer = AdamW(
+            [p for p in module.parameters() if p.requires_grad], lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_factor(cfg))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+        )
+        self.module = module
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.stage_id = self.engine.stage_id
+        self.dp_id = self.engine.grid.data_parallel_id
+        if self.fp32:
+            self._install_fp32_grad_norm()
+        self.train_batches = build_batches(cfg, "train", shuffle=True)
+        self.train_iter = iter(self.train_batches)
+        self.step = 0
+        self.samples = 0
+        self.is_logger = self.rank == 0
+        self.tb = None
+
+    # ---- grad norm in fp32 mode --------------------------------------------------------------
+
+    def _install_fp32_grad_norm(self) -> None:
+        group = self.engine.grid.get_model_parallel_group()  # all stages of one replica
+        module, opt, engine = self.module, self.optimizer, self.engine
+        opt.norm_fn = lambda: pipeline_grad_norm(module, group)
+
+        def clip() -> None:
+            # DeepSpeed's own fp32 clip counts only stage 0's gradients in a pipeline.
+            norm = pipeline_grad_norm(module, group)
+            opt.pending_norm = norm
+            coef = engine.gradient_clipping() / (norm + 1e-6)
+            if coef < 1.0:
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
+
+        engine.clip_fp32_gradients = clip
+
+    # ---- logging -----------------------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        if self.is_logger:
+            print(msg, flush=True)
+
+    def _write_metrics(self, record: dict) -> None:
+        if not self.is_logger:
+            return
+        with open(self.save_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.save_dir / "tensorboard"))
+            except Exception as exc:  # noqa: BLE001 - logging must not stop training
+                self.log(f"tensorboard disabled: {exc}")
+                self.tb = False
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    # ---- data for one update -----------------------------------------------------------------
+
+    def _next_update(self) -> tuple[list[dict], int, int]:
+        """This rank's micro-batches of the next update, plus the global target and
+        source+target token counts."""
+        gas = self.cfg.train.micro_batches
+        batches = [next(self.train_iter) for _ in range(gas * self.dp)]
+        ntokens = sum(int(b["ntokens"]) for b in batches)
+        all_tokens = ntokens + sum(_src_tokens(b) for b in batches)
+        self.samples += sum(int(b["src_tokens"].shape[0]) for b in batches)
+        mine = batches[self.dp_id * gas : (self.dp_id + 1) * gas]
+        return mine, ntokens, all_tokens
+
+    def _as_engine_items(self, batches: list[dict]):
+        device = self.engine.device
+        for b in batches:
+            yield (
+                (b["src_tokens"].to(device), b["prev_output_tokens"].to(device)),
+                b["target"].to(device),
+            )
+
+    def _reduce_loss_sums(self) -> tuple[float, float, int]:
+        sums = torch.tensor(
+            [self.loss_fn.loss_sum, self.loss_fn.nll_sum, float(self.loss_fn.ntokens)],
+            dtype=torch.float64,
+        )
+        if self.world > 1:
+            dist.all_reduce(sums)  # only last-stage ranks hold non-zero sums
+        self.loss_fn.reset()
+        return float(sums[0]), float(sums[1]), int(sums[2])
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def validate(self, max_batches: int = 64) -> float | None:
+        """Per-token validation loss (label-smoothed, as trained) on the valid split."""
+        try:
+            valid = build_batches(self.cfg, "valid", shuffle=False)
+        except Exception as exc:  # noqa: BLE001 - a dataset without valid split
+            self.log(f"validation skipped: {exc}")
+            return None
+        batches = []
+        for b in valid:
+            batches.append(b)
+            if len(batches) >= max_batches:
+                break
+        n = (len(batches) // self.dp) * self.dp
+        if n == 0:
+            return None
+        batches = batches[:n]
+        per_rank = n // self.dp
+        ntokens = sum(int(b["ntokens"]) for b in batches)
+        mine = batches[self.dp_id * per_rank : (self.dp_id + 1) * per_rank]
+        self.loss_fn.reset()
+        self.loss_fn.scale = per_rank * self.dp / ntokens
+        self.engine.eval_batch(iter(list(self._as_engine_items(mine))), num_micro_batches=per_rank)
+        loss_sum, _, count = self._reduce_loss_sums()
+        return loss_sum / max(count, 1)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Checkpoint at the current step; ``latest`` moves only once it is complete."""
+        tag = ckpt.tag_for(self.step)
+        tag_dir = self.save_dir / tag
+        client = {
+            "step": self.step,
+            "samples": self.samples,
+            "sampler": self.train_batches.state_dict(),
+            "spec_names": spec_names(self.cfg.model),
+            "parts": self.parts,
+            "config": self.cfg.to_dict(),
+        }
+        t0 = time.time()
+        self.engine.save_checkpoint(str(self.save_dir), tag=tag, client_state=client,
+                                    save_latest=False)
+        torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
+        dist.barrier()
+        if self.rank == 0:
+            (tag_dir / "train_config.json").write_text(
+                json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
+            )
+            ckpt.write_manifest(tag_dir, self.step)
+            ckpt.write_latest(self.save_dir, tag)
+        dist.barrier()
+        self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
+
+    def maybe_resume(self) -> None:
+        """Resume from ``save_dir/latest`` if present (verified against its checksums)."""
+        tag = ckpt.read_latest(self.save_dir)
+        if tag is None:
+            return
+        tag_dir = self.save_dir / tag
+        ckpt.verify_checkpoint(tag_dir)
+        saved = json.loads((tag_dir / "train_config.json").read_text(encoding="utf-8"))
+        for key in ARCH_KEYS:
+            old, new = saved["config"]["model"][key], getattr(self.cfg.model, key)
+            if old != new:
+                raise ConfigError(
+                    f"config key model.{key}: {new!r} differs from the checkpoint's {old!r} "
+                    f"({tag_dir}); use a new train.save_dir"
+                )
+        if saved["parts"] != self.parts:
+            raise ConfigError(
+                f"config key pipeline.stages: stage layout {self.parts} differs from the "
+                f"checkpoint's {saved['parts']} ({tag_dir}); convert it with "
+                "tools/convert_checkpoint.py to re-partition"
+            )
+        load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
+        if load_path is None:
+            raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
+        self.step = int(client["step"])
+        self.samples = int(client["samples"])
+        self.train_batches.load_state_dict(client["sampler"])
+        self.train_iter = iter(self.train_batches)
+        rng_path = ckpt.rng_file(tag_dir, self.rank)
+        if rng_path.is_file():
+            ckpt.set_rng_state(torch.load(rng_path, weights_only=True))
+        else:
+            self.log(f"warning: {rng_path} missing (different world size): RNG not restored")
+        if self.scheduler.last_epoch != self.step:
+            raise ckpt.CheckpointError(
+                f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.step}"
+            )
+        self.log(f"resumed from {tag_dir} at step {self.step}")
+
+    # ---- main loop ---------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.stop_signal = signum
+
+    def _agree_to_stop(self, time_up: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([float(self.stop_signal != 0), float(time_up)])
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def train(self) -> int:
+        """Run to train.max_steps (or the time budget, or a signal); returns the exit code."""
+        cfg = self.cfg
+        if self.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        self.maybe_resume()
+        if self.rank == 0:
+            dump_config(cfg, self.save_dir / "config.yaml")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.log(
+            f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
+            f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
+        )
+        self.log(describe_plan(cfg.model, self.parts))
+        start_time = time.time()
+        last_log_time, interval_tokens = time.time(), 0
+        exit_code = 0
+        while self.step < cfg.train.max_steps:
+            t = self.step + 1
+            alpha = set_pipeline_step(self.module, cfg.model, t)
+            mine, ntokens, all_tokens = self._next_update()
+            self.loss_fn.reset()
+            self.loss_fn.scale = cfg.train.micro_batches * self.dp / max(ntokens, 1)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.engine.train_batch(data_iter=self._as_engine_items(mine))
+            loss_sum, nll_sum, count = self._reduce_loss_sums()
+            applied = self.engine.was_step_applied()
+            if applied:
+                self.step += 1
+                interval_tokens += all_tokens
+            if applied and (self.step % cfg.train.log_interval == 0 or self.step == cfg.train.max_steps):
+                now = time.time()
+                gn = self.engine.get_global_grad_norm()
+                nll = nll_sum / max(count, 1)
+                record = {
+                    "step": self.step,
+                    "loss": loss_sum / max(count, 1),
+                    "nll_loss": nll,
+                    "ppl": math.exp(min(nll, 50.0)),
+                    "lr": lr,
+                    "grad_norm": None if gn is None else float(gn),
+                    "alpha": alpha,
+                    "loss_scale": float(getattr(self.optimizer, "cur_scale", 1.0))
+                    if self.fp32 else float(getattr(self.engine.optimizer, "cur_scale", 1.0)),
+                    "tokens_per_sec": interval_tokens / max(now - last_log_time, 1e-9),
+                    "samples": self.samples,
+                    "memory_mb": self._memory_mb(),
+                    "elapsed_s": now - start_time,
+                }
+                self._write_metrics(record)
+                self.log(
+                    f"step {self.step} | loss {record['loss']:.4f} | nll {nll:.4f} | "
+                    f"lr {lr:.3g} | gnorm {record['grad_norm'] or 0:.3f} | alpha {alpha:.4f} | "
+                    f"tok/s {record['tokens_per_sec']:.0f} | mem {record['memory_mb']:.0f}MB"
+                )
+                last_log_time, interval_tokens = now, 0
+            if applied and cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                vloss = self.validate()
+                if vloss is not None:
+                    self._write_metrics({"step": self.step, "valid_loss": vloss})
+                    self.log(f"step {self.step} | valid loss {vloss:.4f}")
+            budget = cfg.train.max_time_minutes
+            time_up = bool(budget) and (time.time() - start_time) >= budget * 60
+            stop_now, time_up = self._agree_to_stop(time_up)
+            if stop_now or time_up:
+                self.save()
+                if stop_now:
+                    self.log(f"signal received: checkpoint saved, exiting {REQUEUE_EXIT_CODE}")
+                    exit_code = REQUEUE_EXIT_CODE
+                else:
+                    self.log(f"time budget of {budget} min reached at step {self.step}")
+                break
+            if applied and cfg.train.save_interval and self.step % cfg.train.save_interval == 0:
+                self.save()
+        else:
+            if not (self.save_dir / ckpt.tag_for(self.step) / ckpt.MANIFEST).is_file():
+                self.save()
+        if self.tb:
+            self.tb.close()
+        dist.barrier()
+        return exit_code
+
+    @staticmethod
+    def _memory_mb() -> float:
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run(cfg: ExperimentConfig) -> int:
+    """Train with ``cfg``; returns the process exit code."""
+    trainer = Trainer(cfg)
+    code = trainer.train()
+    sys.stdout.flush()
+    return code

@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_branchnorm",
+    version="0.1.0",
+    description=(
+        "Extremely deep encoder-decoder Transformers with BranchNorm on DeepSpeed pipeline "
+        "parallelism, for multilingual machine translation"
+    ),
+    packages=find_packages(include=["megatron_branchnorm", "megatron_branchnorm.*"]),
+    package_data={"megatron_branchnorm": ["configs/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # >= 2.6: torch.load(weights_only=True) is the safe default there.
+        "torch>=2.6",
+        # The pipeline adapter overrides PipelineModule._partition_layers (DESIGN.md §8).
+        "deepspeed>=0.19.8,<0.20",
+        "sentencepiece>=0.2",
+        "sacrebleu>=2.4",
+        "pyyaml>=6.0",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        "tensorboard>=2.15",
+        "numpy>=1.24",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.5", "transformers>=4.44", "hypothesis>=6"],
+        "hf": ["transformers>=4.44"],
+    },
+)

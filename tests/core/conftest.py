@@ -1,0 +1,15 @@
+"""Fixtures shared by the core tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _fp32_default_dtype():
+    """Every core test runs in fp32, whatever a previous test did."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(previous)

@@ -1,0 +1,46 @@
+"""Fixtures shared by the inference tests (built once per session: they cost seconds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_branchnorm.inference.export import save_export
+from megatron_branchnorm.model import EncoderDecoder, build_model
+
+from .helpers import LANGS, tiny_config, train_copy_model, train_spm
+
+
+@pytest.fixture(autouse=True)
+def _fp32_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="session")
+def copy_model() -> EncoderDecoder:
+    """A tiny model trained for 200 steps to copy its input."""
+    return train_copy_model(200)
+
+
+@pytest.fixture(scope="session")
+def spm_path(tmp_path_factory) -> Path:
+    """A SentencePiece model with <2de>, <2en>, <2zh> tags."""
+    return train_spm(tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="session")
+def text_export(tmp_path_factory, spm_path) -> Path:
+    """An export of a random BranchNorm model (mid-warm-up) with the tiny SentencePiece model."""
+    import sentencepiece as spm
+
+    vocab = spm.SentencePieceProcessor(model_file=str(spm_path)).get_piece_size()
+    model = build_model(tiny_config(vocab_size=vocab, residual="branchnorm", branchnorm_steps=100), 3)
+    model.set_step(40)
+    out = tmp_path_factory.mktemp("exports") / "text"
+    save_export(model, out, spm_path, {"languages": list(LANGS), "source_checkpoint": "test"})
+    return out
