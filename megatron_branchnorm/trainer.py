@@ -99,6 +99,9 @@ def set_thread_count() -> int:
 def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
     """The DeepSpeed JSON with the keys our YAML owns filled in; conflicts are errors."""
     path = Path(cfg.train.deepspeed_config)
+    if not path.is_file() and not path.is_absolute():
+        shipped = Path(__file__).resolve().parent.parent / path  # relative to the checkout
+        path = shipped if shipped.is_file() else path
     if not path.is_file():
         raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
     try:

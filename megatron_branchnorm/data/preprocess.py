@@ -18,6 +18,7 @@ DATA_DIR at the very end, so an interrupted run never leaves a directory that lo
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -113,6 +114,10 @@ def _encode_all(
         disable=(None if progress is None else not progress),
     )
     results: list[tuple[np.ndarray, np.ndarray]] = []
+    # The encoded chunks create many small objects but no cycles; collections would rescan the
+    # whole in-memory corpus again and again, so the collector pauses while encoding.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     if workers <= 1:
         spm_lib.init_worker(model_file)
         it = map(spm_lib.encode_chunk, (c for _, c in chunks))
@@ -128,6 +133,8 @@ def _encode_all(
             results.append(res)
             bar.update(len(lines))
     finally:
+        if gc_was_enabled:
+            gc.enable()
         bar.close()
         if pool is not None:
             pool.close()

@@ -9,6 +9,7 @@ tag is a user-defined symbol, so tags get the ids right after ``</s>`` in langua
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ _worker_model: sp.SentencePieceProcessor | None = None
 def init_worker(model_file: str) -> None:
     """Pool initializer: load the model once per worker process."""
     global _worker_model
+    gc.freeze()  # the inherited corpus never needs collecting in a worker
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _worker_model = sp.SentencePieceProcessor(model_file=model_file)
 

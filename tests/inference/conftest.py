@@ -21,6 +21,15 @@ def _fp32_default_dtype():
     torch.set_default_dtype(previous)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny models only lose from intra-op threads (and the test machine has 2 cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def copy_model() -> EncoderDecoder:
     """A tiny model trained for 200 steps to copy its input."""

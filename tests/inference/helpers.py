@@ -66,7 +66,7 @@ def train_copy_model(steps: int = 200, residual: str = "postln") -> EncoderDecod
         torch.manual_seed(0)
         cfg = tiny_config(vocab_size=COPY_VOCAB, residual=residual, branchnorm_steps=steps)
         model = build_model(cfg, seed=1)
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
+        opt = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.9, 0.98))
         gen = torch.Generator().manual_seed(0)
         for step in range(1, steps + 1):
             model.set_step(step)

@@ -68,28 +68,41 @@ def test_beam_scores_at_least_greedy_and_scores_are_consistent(seed):
                        banned_ids=BANNED)
     for row, g, b in zip(src, greedy, beam, strict=True):
         words = row[row.ne(PAD_ID)]
-        assert b[0].score >= g[0].score - 1e-5
+        assert b[0].log_prob >= g[0].log_prob - 1e-5
         assert [h.score for h in b] == sorted((h.score for h in b), reverse=True)
         for h in b:  # the reported score is the sequence's log-probability (lenpen 0)
             assert h.score == pytest.approx(_sequence_score(model, words, h.tokens, 0.0), abs=1e-4)
 
 
-@pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
-def test_large_beam_finds_exhaustive_best(lenpen):
+def _all_sequence_log_probs(
+    model: EncoderDecoder, src: torch.Tensor, seqs: list[list[int]]
+) -> list[float]:
+    """log p(seq + EOS | src) of every sequence, in one padded forward (causal: the padding
+    after a sequence does not change its positions)."""
+    width = max(len(q) for q in seqs) + 1
+    prev = torch.full((len(seqs), width), PAD_ID)
+    for i, q in enumerate(seqs):
+        prev[i, : len(q) + 1] = torch.tensor([BOS_ID, *q])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(src.expand(len(seqs), -1), prev), dim=-1)
+    return [
+        sum(float(lp[i, j, t]) for j, t in enumerate([*q, EOS_ID])) for i, q in enumerate(seqs)
+    ]
+
+
+def test_large_beam_finds_exhaustive_best():
     """Vocabulary of 4 words + EOS, at most 3 words: 85 sequences, all enumerable."""
     model = build_model(tiny_config(vocab_size=8), seed=3).eval()
     src = torch.tensor([[4, 5, 6, EOS_ID], [7, 5, EOS_ID, PAD_ID]])
-    hyps = beam_search(model, src, beam=128, lenpen=lenpen, max_len_a=0, max_len_b=3,
-                       banned_ids=BANNED)
-    for row, h in zip(src, hyps, strict=True):
-        words = row[row.ne(PAD_ID)]
-        best = max(
-            (_sequence_score(model, words, list(seq), lenpen), list(seq))
-            for n in range(4)
-            for seq in itertools.product(range(4, 8), repeat=n)
-        )
-        assert h[0].tokens == best[1]
-        assert h[0].score == pytest.approx(best[0], abs=1e-5)
+    seqs = [list(q) for n in range(4) for q in itertools.product(range(4, 8), repeat=n)]
+    log_probs = [_all_sequence_log_probs(model, row[row.ne(PAD_ID)][None], seqs) for row in src]
+    for lenpen in (0.0, 0.6, 1.0):
+        hyps = beam_search(model, src, beam=128, lenpen=lenpen, max_len_a=0, max_len_b=3,
+                           banned_ids=BANNED)
+        for h, lps in zip(hyps, log_probs, strict=True):
+            best = max((lp / (len(q) + 1) ** lenpen, q) for lp, q in zip(lps, seqs, strict=True))
+            assert h[0].tokens == best[1]
+            assert h[0].score == pytest.approx(best[0], abs=1e-5)
 
 
 def test_banned_ids_never_generated_and_length_limit():

@@ -1,0 +1,146 @@
+"""Evaluation: manifest references, sacreBLEU parity with its command line, the JSON report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_branchnorm.inference.evaluate import (
+    EvaluationError,
+    averages,
+    bleu_tokenizer,
+    references_from_manifest,
+    score_direction,
+)
+
+from .helpers import sentences
+from .test_translate import load_tool
+
+SACREBLEU = Path(sys.executable).with_name("sacrebleu")
+
+
+def make_data_dir(root: Path, n: int = 6) -> Path:
+    """A DATA_DIR with the layout of tools/preprocess_data.py: raw/<split>.<pair>.<lang> and
+    manifest.json ``splits.<split>.references.<src>-<tgt>``."""
+    data = root / "data"
+    (data / "raw").mkdir(parents=True)
+    text = sentences(n, seed=11)
+    refs: dict[str, dict] = {}
+    for pair, other in (("de-en", "de"), ("en-zh", "zh")):
+        for lang in ("en", other):
+            (data / "raw" / f"test.{pair}.{lang}").write_text(
+                "".join(x + "\n" for x in text[lang]), encoding="utf-8"
+            )
+        for src, tgt in ((other, "en"), ("en", other)):
+            refs[f"{src}-{tgt}"] = {"src": f"raw/test.{pair}.{src}", "tgt": f"raw/test.{pair}.{tgt}",
+                                    "sentences": n}
+    manifest = {"format": "megatron_branchnorm-data", "pivot": "en",
+                "languages": ["de", "en", "zh"],
+                "splits": {"train": {}, "dev": {"references": {}}, "test": {"references": refs}}}
+    (data / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    return data
+
+
+def sacrebleu_cli(ref: Path, hyp: Path, *args: str) -> float:
+    proc = subprocess.run([str(SACREBLEU), str(ref), "-i", str(hyp), "-b", "-w", "4", *args],
+                          capture_output=True, text=True, timeout=120, check=True)
+    return float(proc.stdout.strip())
+
+
+def test_references_from_manifest(tmp_path):
+    data = make_data_dir(tmp_path)
+    refs = references_from_manifest(data, "test")
+    assert sorted(refs) == ["de-en", "en-de", "en-zh", "zh-en"]
+    assert refs["en-zh"].ref_path == data / "raw" / "test.en-zh.zh"
+    with pytest.raises(EvaluationError, match="split 'dev' has no references"):
+        references_from_manifest(data, "dev")
+    with pytest.raises(EvaluationError, match="no split 'valid'"):
+        references_from_manifest(data, "valid")
+    (data / "raw" / "test.de-en.de").unlink()
+    with pytest.raises(EvaluationError, match=r"test\.de-en\.de: missing"):
+        references_from_manifest(data, "test")
+    with pytest.raises(EvaluationError, match=r"manifest\.json: missing"):
+        references_from_manifest(tmp_path, "test")
+
+
+def test_tokenizer_follows_target_language():
+    assert bleu_tokenizer("zh") == "zh"
+    assert bleu_tokenizer("ja") in ("ja-mecab", "char")
+    assert bleu_tokenizer("de") == "13a"
+
+
+@pytest.mark.parametrize(("lang", "lowercase", "cli_args"), [
+    ("en", False, ["-tok", "13a"]),
+    ("en", True, ["-tok", "13a", "-lc"]),
+    ("zh", False, ["-tok", "zh"]),
+])
+def test_bleu_equals_sacrebleu_command_line(tmp_path, lang, lowercase, cli_args):
+    refs = sentences(20, seed=5)[lang]
+    hyps = [r.lower() if i % 3 else r[: len(r) // 2] for i, r in enumerate(refs)]
+    (tmp_path / "ref").write_text("".join(x + "\n" for x in refs), encoding="utf-8")
+    (tmp_path / "hyp").write_text("".join(x + "\n" for x in hyps), encoding="utf-8")
+    ours = score_direction(hyps, refs, lang, lowercase)
+    assert 0 < ours["bleu"] < 100
+    assert ours["bleu"] == pytest.approx(sacrebleu_cli(tmp_path / "ref", tmp_path / "hyp", *cli_args),
+                                         abs=1e-4)
+    assert f"tok:{cli_args[1]}" in ours["signature"]
+    assert ("case:lc" in ours["signature"]) == lowercase
+
+
+def test_averages():
+    d = {name: {"bleu": b} for name, b in
+         [("de-en", 10.0), ("zh-en", 20.0), ("en-de", 30.0), ("de-zh", 1.0)]}
+    avg = averages(d, "en")
+    assert avg == {"x-en": 15.0, "en-x": 30.0, "all": 15.25, "zero-shot": 1.0}
+    assert averages({"de-en": {"bleu": 4.0}})["en-x"] is None
+
+
+def test_evaluate_cli_json_hyps_and_sacrebleu_parity(tmp_path, text_export, monkeypatch, capsys):
+    data = make_data_dir(tmp_path)
+    out_json, hyp_dir = tmp_path / "res" / "test.json", tmp_path / "hyp"
+    code = load_tool("evaluate").main([
+        "--model", str(text_export), "--data", str(data), "--split", "test",
+        "--json", str(out_json), "--hyp-dir", str(hyp_dir), "--directions", "de-en,en-zh",
+        "--beam", "2", "--max-len-a", "0", "--max-len-b", "6", "--max-sentences", "4",
+        "--threads", "1", "--quiet",
+    ])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    report = json.loads(out_json.read_text(encoding="utf-8"))
+    assert set(report) == {"directions", "averages"}
+    assert list(report["directions"]) == ["de-en", "en-zh"]
+    for name, entry in report["directions"].items():
+        assert set(entry) == {"bleu", "chrf", "signature"}
+        assert entry["signature"].startswith("nrefs:1|case:mixed|")
+        hyps = (hyp_dir / f"{name}.txt").read_text(encoding="utf-8").splitlines()
+        assert len(hyps) == 4
+    assert "tok:zh" in report["directions"]["en-zh"]["signature"]
+    assert "tok:13a" in report["directions"]["de-en"]["signature"]
+    assert set(report["averages"]) == {"x-en", "en-x", "all"}
+    assert report["averages"]["x-en"] == report["directions"]["de-en"]["bleu"]
+    assert "de-en" in stdout and "avg all" in stdout
+    # evaluate.py's BLEU equals sacreBLEU's own command line on the same hypothesis file.
+    ref = tmp_path / "ref.zh"
+    ref.write_text("".join(x + "\n" for x in sentences(6, seed=11)["zh"][:4]), encoding="utf-8")
+    cli = sacrebleu_cli(ref, hyp_dir / "en-zh.txt", "-tok", "zh")
+    assert report["directions"]["en-zh"]["bleu"] == pytest.approx(cli, abs=1e-4)
+
+
+def test_evaluate_cli_errors(tmp_path, text_export, capsys):
+    data = make_data_dir(tmp_path)
+    main = load_tool("evaluate").main
+    cases = [
+        (["--directions", "fr-en"], "fr-en"),
+        (["--split", "valid"], "valid"),
+        (["--max-sentences", "0"], "--max-sentences"),
+    ]
+    for extra, needle in cases:
+        code = main(["--model", str(text_export), "--data", str(data), "--quiet", *extra])
+        err = capsys.readouterr().err
+        assert code == 1 and needle in err and len(err.strip().splitlines()) == 1, err
+    code = main(["--model", str(text_export), "--data", str(tmp_path / "none")])
+    assert code == 1 and "manifest.json" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+"""Shared launcher for the 2-rank gloo harness (started once per session)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
+def launch_ranks(args: list[str], world: int, log_dir: Path, cwd: Path = ROOT) -> list:
+    """Start ``world`` processes of ``python ARGS`` as gloo ranks (as srun would)."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        log = open(log_dir / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port),
+                                      cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.fixture(scope="session")
+def harness(tmp_path_factory):
+    out = tmp_path_factory.mktemp("harness")
+    procs = launch_ranks([str(ROOT / "tests/pipeline/harness.py"), str(out)], 2, out)
+    codes = [p.wait(timeout=600) for p in procs]
+    if codes != [0, 0]:
+        log = (out / "rank0.log").read_text()[-3000:] + (out / "rank1.log").read_text()[-3000:]
+        pytest.fail(f"harness ranks exited {codes}:\n{log}")
+    return out
