@@ -205,6 +205,7 @@ def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool):
         return SyntheticBatches(data, d.max_tokens, cfg.train.seed, shuffle=shuffle)
     from megatron_branchnorm.data import BatchSampler, TranslationData
 
+    split = {"valid": "dev"}.get(split, split)  # preprocess_data.py names it dev
     data = TranslationData(d.dataset, split=split, max_length=d.max_length)
     return BatchSampler(data, d.max_tokens, d.sampling_temperature, cfg.train.seed, shuffle=shuffle)
 

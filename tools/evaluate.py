@@ -47,13 +47,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
-    p.add_argument("--max-sentences", type=int, default=None, help="first N sentences per direction")
+    p.add_argument(
+        "--max-sentences", type=int, default=None, help="first N sentences per direction"
+    )
     d = SearchOptions()
     p.add_argument("--beam", type=int, default=d.beam, help=f"beam size (default {d.beam})")
-    p.add_argument("--lenpen", type=float, default=d.lenpen, help=f"length penalty (default {d.lenpen})")
-    p.add_argument("--max-len-a", type=float, default=d.max_len_a, help="output length limit a*src+b")
+    p.add_argument(
+        "--lenpen", type=float, default=d.lenpen, help=f"length penalty (default {d.lenpen})"
+    )
+    p.add_argument(
+        "--max-len-a", type=float, default=d.max_len_a, help="output length limit a*src+b"
+    )
     p.add_argument("--max-len-b", type=int, default=d.max_len_b, help="see --max-len-a")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="source tokens per batch")
+    p.add_argument(
+        "--batch-tokens", type=int, default=d.batch_tokens, help="source tokens per batch"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -68,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if args.max_sentences is not None and args.max_sentences < 1:
             raise EvaluationError(f"--max-sentences must be >= 1, got {args.max_sentences}")
-        opts = SearchOptions(args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1,
-                             args.batch_tokens)
+        opts = SearchOptions(
+            args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
+        )
         opts.check()
-        wanted = [x.strip() for x in args.directions.split(",") if x.strip()] if args.directions else None
+        wanted = (
+            [x.strip() for x in args.directions.split(",") if x.strip()]
+            if args.directions
+            else None
+        )
         directions = select_directions(references_from_manifest(args.data, args.split), wanted)
         translator = Translator.from_export(args.model)
         for d in directions:
@@ -86,14 +99,22 @@ def main(argv: list[str] | None = None) -> int:
             return bar.update
 
         report = evaluate(
-            translator, directions, opts, args.lowercase, args.hyp_dir, args.max_sentences,
-            pivot_language(args.data), progress,
+            translator,
+            directions,
+            opts,
+            args.lowercase,
+            args.hyp_dir,
+            args.max_sentences,
+            pivot_language(args.data),
+            progress,
         )
         if args.json:
             out = Path(args.json)
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            tmp.write_text(
+                json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+            )
             os.replace(tmp, out)
         print(format_table(report))
     except (EvaluationError, ExportError, TranslateError) as exc:

@@ -41,14 +41,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="output file (default: stdout)")
     d = SearchOptions()
     p.add_argument("--beam", type=int, default=d.beam, help=f"beam size (default {d.beam})")
-    p.add_argument("--lenpen", type=float, default=d.lenpen, help=f"length penalty (default {d.lenpen})")
-    p.add_argument("--max-len-a", type=float, default=d.max_len_a,
-                   help=f"output length limit a * source length + b (default a={d.max_len_a})")
-    p.add_argument("--max-len-b", type=int, default=d.max_len_b,
-                   help=f"see --max-len-a (default b={d.max_len_b})")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help=f"source tokens per batch, padding included (default {d.batch_tokens})")
-    p.add_argument("--nbest", type=int, default=d.nbest, help="hypotheses per input line (default 1)")
+    p.add_argument(
+        "--lenpen", type=float, default=d.lenpen, help=f"length penalty (default {d.lenpen})"
+    )
+    p.add_argument(
+        "--max-len-a",
+        type=float,
+        default=d.max_len_a,
+        help=f"output length limit a * source length + b (default a={d.max_len_a})",
+    )
+    p.add_argument(
+        "--max-len-b",
+        type=int,
+        default=d.max_len_b,
+        help=f"see --max-len-a (default b={d.max_len_b})",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d.batch_tokens,
+        help=f"source tokens per batch, padding included (default {d.batch_tokens})",
+    )
+    p.add_argument(
+        "--nbest", type=int, default=d.nbest, help="hypotheses per input line (default 1)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -78,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        opts = SearchOptions(args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.nbest,
-                             args.batch_tokens)
+        opts = SearchOptions(
+            args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.nbest, args.batch_tokens
+        )
         opts.check()
         translator = Translator.from_export(args.model)
         translator.check_languages(args.src_lang, args.tgt_lang)
@@ -95,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.close()
         if translator.truncated:
-            warn(f"{translator.truncated} input line(s) longer than the model's "
-                 f"{translator.model.cfg.max_positions} positions were cut")
+            warn(
+                f"{translator.truncated} input line(s) longer than the model's "
+                f"{translator.model.cfg.max_positions} positions were cut"
+            )
         if args.nbest == 1:
             out = [translator.decode(h[0].tokens) if h else "" for h in hyps]
         else:

@@ -328,7 +328,8 @@ class BatchSampler:
                     f"direction {name}: a sample of {int(key[valid].max())} tokens exceeds "
                     f"max_tokens={max_tokens}; lower data.max_length to at most max_tokens - 2"
                 )
-            self._keys.append(key)
+            # Small integer keys let numpy's stable sort use radix sort.
+            self._keys.append(key.astype(np.uint16) if key.max(initial=0) < 2**16 else key)
             counts.append(valid.size)
         self.counts = np.array(counts, dtype=np.int64)
         if self.counts.sum() == 0:
@@ -365,14 +366,13 @@ class BatchSampler:
             return self._cached[1]
         batches: list[tuple[int, np.ndarray]] = []
         for g in range(len(self.data.directions)):
-            if self.shuffle:
+            if self.shuffle:  # shuffled first, so the stable sort breaks ties at random
                 idx = self._epoch_samples(g, epoch)
-                tie = self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)
+                idx = idx[self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)]
             else:
                 idx = self.data.group_indices(g)
-                tie = np.arange(idx.size)
             keys = self._keys[g][idx]
-            order = np.lexsort((tie, keys))
+            order = np.argsort(keys, kind="stable")
             batches += [
                 (g, b) for b in _batches_by_length(idx[order], keys[order], self.max_tokens)
             ]

@@ -119,7 +119,7 @@ def _encode_all(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     if workers <= 1:
-        spm_lib.init_worker(model_file)
+        spm_lib.init_worker(model_file, pool_worker=False)
         it = map(spm_lib.encode_chunk, (c for _, c in chunks))
         pool = None
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,11 +132,12 @@ def train_spm(
 _worker_model: sp.SentencePieceProcessor | None = None
 
 
-def init_worker(model_file: str) -> None:
-    """Pool initializer: load the model once per worker process."""
+def init_worker(model_file: str, pool_worker: bool = True) -> None:
+    """Load the model once per process (as a pool initializer, or in-process with
+    ``pool_worker=False``)."""
     global _worker_model
-    gc.freeze()  # the inherited corpus never needs collecting in a worker
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if pool_worker:
+        gc.freeze()  # the corpus inherited from the parent never needs collecting here
     _worker_model = sp.SentencePieceProcessor(model_file=model_file)
 
 
@@ -145,7 +145,8 @@ def encode_chunk(lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Encode lines with the worker's model: (concatenated ids as int32, lengths as int64)."""
     if _worker_model is None:
         raise RuntimeError("encode_chunk needs init_worker first")
-    pieces = _worker_model.encode(lines, out_type=int)
+    # One thread per process: --workers alone decides how many cores encoding uses.
+    pieces = _worker_model.encode(lines, out_type=int, num_threads=1)
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32, count=int(lengths.sum()))
     return flat, lengths

@@ -113,9 +113,7 @@ def beam_search(
             prefix = tokens[i * k + int(top_beam[i, r]), 1:].tolist()
             hyps.append(Hypothesis(prefix, raw / float(step + 1) ** lenpen, raw))
 
-        keep = [
-            i for i, s in enumerate(live) if len(finished[s]) < k and step < limits[s]
-        ]
+        keep = [i for i, s in enumerate(live) if len(finished[s]) < k and step < limits[s]]
         if not keep:
             break
         # The first K non-EOS candidates continue (there are at least K: one EOS per beam).
@@ -152,4 +150,6 @@ def greedy_search(
     banned_ids: Sequence[int] = (),
 ) -> list[Hypothesis]:
     """Greedy decoding (beam search with one beam; length penalty irrelevant)."""
-    return [h[0] for h in beam_search(model, src_tokens, 1, 0.0, max_len_a, max_len_b, 1, banned_ids)]
+    return [
+        h[0] for h in beam_search(model, src_tokens, 1, 0.0, max_len_a, max_len_b, 1, banned_ids)
+    ]

@@ -79,8 +79,12 @@ def references_from_manifest(data_dir: str | Path, split: str) -> dict[str, Dire
     if not isinstance(splits, dict):
         raise EvaluationError(f"{where}: no 'splits' section")
     if split not in splits:
-        known = ", ".join(s for s in splits if isinstance(splits[s], dict) and "references" in splits[s])
-        raise EvaluationError(f"{where}: no split {split!r} (splits with references: {known or 'none'})")
+        known = ", ".join(
+            s for s in splits if isinstance(splits[s], dict) and "references" in splits[s]
+        )
+        raise EvaluationError(
+            f"{where}: no split {split!r} (splits with references: {known or 'none'})"
+        )
     refs = splits[split].get("references") if isinstance(splits[split], dict) else None
     if not isinstance(refs, dict) or not refs:
         raise EvaluationError(f"{where}: split {split!r} has no references")
@@ -92,7 +96,9 @@ def references_from_manifest(data_dir: str | Path, split: str) -> dict[str, Dire
         try:
             src, ref = data_dir / entry["src"], data_dir / entry["tgt"]
         except (KeyError, TypeError):
-            raise EvaluationError(f"{where}: reference {name!r} needs 'src' and 'tgt' paths") from None
+            raise EvaluationError(
+                f"{where}: reference {name!r} needs 'src' and 'tgt' paths"
+            ) from None
         for path in (src, ref):
             if not path.is_file():
                 raise EvaluationError(f"{path}: missing (listed in {where} for {split} {name})")
@@ -224,7 +230,9 @@ def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of a report: one row per direction, then the averages."""
     rows = [f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer"]
     for name, r in report["directions"].items():
-        tok = next((p.split(":", 1)[1] for p in r["signature"].split("|") if p.startswith("tok:")), "?")
+        tok = next(
+            (p.split(":", 1)[1] for p in r["signature"].split("|") if p.startswith("tok:")), "?"
+        )
         rows.append(f"{name:<12} {r['bleu']:>7.2f} {r['chrf']:>7.2f}  {tok}")
     rows.append("-" * 38)
     for name, value in report["averages"].items():

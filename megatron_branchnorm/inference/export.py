@@ -83,7 +83,9 @@ def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
         cfg = model.cfg
         return branchnorm_alpha(model.step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
     if scheme is Scheme.DEEPNORM:
-        consts = residual_constants(scheme.value, model.cfg.encoder_layers, model.cfg.decoder_layers)
+        consts = residual_constants(
+            scheme.value, model.cfg.encoder_layers, model.cfg.decoder_layers
+        )
         return {"encoder": consts["encoder"][0], "decoder": consts["decoder"][0]}
     return 1.0
 
@@ -168,8 +170,10 @@ def model_config_from_dict(data: Any, where: str) -> ModelConfig:
         tp = hints[key]
         allowed = tuple(a for a in typing.get_args(tp) if a is not type(None)) or (tp,)
         ok = value is None and type(None) in typing.get_args(tp)
-        ok = ok or (isinstance(value, allowed) and not isinstance(value, bool)) or (
-            float in allowed and isinstance(value, int) and not isinstance(value, bool)
+        ok = (
+            ok
+            or (isinstance(value, allowed) and not isinstance(value, bool))
+            or (float in allowed and isinstance(value, int) and not isinstance(value, bool))
         )
         if not ok:
             raise ExportError(f"{where}: model.{key} has a bad value {value!r}")

@@ -217,7 +217,9 @@ def export_hf(
         missing, unexpected = hf.load_state_dict(marian_state_dict(model), strict=False)
         missing = [k for k in missing if "embed_positions" not in k]
         if missing or unexpected:
-            raise HFExportError(f"weight map incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise HFExportError(
+                f"weight map incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
         hf.generation_config = GenerationConfig(
             num_beams=4,
             length_penalty=0.6,

@@ -56,7 +56,9 @@ class SearchOptions:
         if self.beam < 1:
             raise TranslateError(f"--beam must be >= 1, got {self.beam}")
         if not 1 <= self.nbest <= self.beam:
-            raise TranslateError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}")
+            raise TranslateError(
+                f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}"
+            )
         if self.max_len_a < 0 or self.max_len_b < 0:
             raise TranslateError("--max-len-a and --max-len-b must be >= 0")
         if self.batch_tokens < 1:
@@ -91,7 +93,7 @@ def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 
 
 class Translator:
-    """A loaded export plus search settings."""
+    """A model with its SentencePiece model and language tags: lines in, translations out."""
 
     def __init__(self, model: EncoderDecoder, sp: Any, meta: dict[str, Any] | None = None) -> None:
         if sp is None:
@@ -100,12 +102,15 @@ class Translator:
         self.sp = sp
         self.meta = meta or {}
         self.tags = language_tags(sp)
-        if sp.get_piece_size() != model.cfg.vocab_size:
+        pieces, vocab = sp.get_piece_size(), model.cfg.vocab_size
+        if pieces > vocab:
             raise TranslateError(
-                f"spm.model has {sp.get_piece_size()} pieces but the model's vocab_size is "
-                f"{model.cfg.vocab_size}"
+                f"spm.model has {pieces} pieces but the model's vocab_size is only {vocab}"
             )
-        self.banned_ids = sorted({PAD_ID, BOS_ID, UNK_ID, *self.tags.values()})
+        # Never generated: padding, BOS, UNK, language tags, and rows past the SentencePiece
+        # vocabulary (a vocab_size padded up for efficiency).
+        special = {PAD_ID, BOS_ID, UNK_ID, *self.tags.values(), *range(pieces, vocab)}
+        self.banned_ids = sorted(special)
         self.truncated = 0
 
     @classmethod
@@ -113,7 +118,9 @@ class Translator:
         """Load ``export_dir`` (see megatron_branchnorm.inference.export)."""
         model, sp, meta = load_export(export_dir, device=device)
         if sp is None:
-            raise ExportError(f"{Path(export_dir) / 'spm.model'}: missing (needed to tokenise text)")
+            raise ExportError(
+                f"{Path(export_dir) / 'spm.model'}: missing (needed to tokenise text)"
+            )
         return cls(model, sp, meta)
 
     @property
@@ -196,7 +203,9 @@ class Translator:
         return [self.decode(h[0].tokens) if h else "" for h in hyps]
 
 
-def format_nbest(index: int, hyps: Sequence[Hypothesis], decode: Callable[[list[int]], str]) -> list[str]:
+def format_nbest(
+    index: int, hyps: Sequence[Hypothesis], decode: Callable[[list[int]], str]
+) -> list[str]:
     """``index<TAB>rank<TAB>score<TAB>text`` lines for the n-best output of one input line."""
     if not hyps:
         return [f"{index}\t0\t0.0000\t"]

@@ -48,7 +48,9 @@ def text_export(tmp_path_factory, spm_path) -> Path:
     import sentencepiece as spm
 
     vocab = spm.SentencePieceProcessor(model_file=str(spm_path)).get_piece_size()
-    model = build_model(tiny_config(vocab_size=vocab, residual="branchnorm", branchnorm_steps=100), 3)
+    model = build_model(
+        tiny_config(vocab_size=vocab, residual="branchnorm", branchnorm_steps=100), 3
+    )
     model.set_step(40)
     out = tmp_path_factory.mktemp("exports") / "text"
     save_export(model, out, spm_path, {"languages": list(LANGS), "source_checkpoint": "test"})

@@ -35,7 +35,9 @@ def _naive_greedy(model: EncoderDecoder, src: torch.Tensor, max_len: int) -> lis
     return out
 
 
-def _sequence_score(model: EncoderDecoder, src: torch.Tensor, seq: list[int], lenpen: float) -> float:
+def _sequence_score(
+    model: EncoderDecoder, src: torch.Tensor, seq: list[int], lenpen: float
+) -> float:
     with torch.no_grad():
         logits = model(src[None], torch.tensor([[BOS_ID, *seq]]))[0]
     lp = torch.log_softmax(logits, dim=-1)
@@ -56,7 +58,9 @@ def test_beam_one_equals_naive_greedy(seed):
     for row, h in zip(src, hyps, strict=True):
         words = row[row.ne(PAD_ID)]
         assert h[0].tokens == _naive_greedy(model, words, 8)
-    assert [h.tokens for h in greedy_search(model, src, 0, 8, BANNED)] == [h[0].tokens for h in hyps]
+    assert [h.tokens for h in greedy_search(model, src, 0, 8, BANNED)] == [
+        h[0].tokens for h in hyps
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -64,8 +68,9 @@ def test_beam_scores_at_least_greedy_and_scores_are_consistent(seed):
     model = build_model(tiny_config(), seed=seed).eval()
     src = _sources()
     greedy = beam_search(model, src, beam=1, max_len_a=0, max_len_b=8, banned_ids=BANNED)
-    beam = beam_search(model, src, beam=5, lenpen=0.0, max_len_a=0, max_len_b=8, nbest=5,
-                       banned_ids=BANNED)
+    beam = beam_search(
+        model, src, beam=5, lenpen=0.0, max_len_a=0, max_len_b=8, nbest=5, banned_ids=BANNED
+    )
     for row, g, b in zip(src, greedy, beam, strict=True):
         words = row[row.ne(PAD_ID)]
         assert b[0].log_prob >= g[0].log_prob - 1e-5
@@ -85,9 +90,7 @@ def _all_sequence_log_probs(
         prev[i, : len(q) + 1] = torch.tensor([BOS_ID, *q])
     with torch.no_grad():
         lp = torch.log_softmax(model(src.expand(len(seqs), -1), prev), dim=-1)
-    return [
-        sum(float(lp[i, j, t]) for j, t in enumerate([*q, EOS_ID])) for i, q in enumerate(seqs)
-    ]
+    return [sum(float(lp[i, j, t]) for j, t in enumerate([*q, EOS_ID])) for i, q in enumerate(seqs)]
 
 
 def test_large_beam_finds_exhaustive_best():
@@ -97,8 +100,9 @@ def test_large_beam_finds_exhaustive_best():
     seqs = [list(q) for n in range(4) for q in itertools.product(range(4, 8), repeat=n)]
     log_probs = [_all_sequence_log_probs(model, row[row.ne(PAD_ID)][None], seqs) for row in src]
     for lenpen in (0.0, 0.6, 1.0):
-        hyps = beam_search(model, src, beam=128, lenpen=lenpen, max_len_a=0, max_len_b=3,
-                           banned_ids=BANNED)
+        hyps = beam_search(
+            model, src, beam=128, lenpen=lenpen, max_len_a=0, max_len_b=3, banned_ids=BANNED
+        )
         for h, lps in zip(hyps, log_probs, strict=True):
             best = max((lp / (len(q) + 1) ** lenpen, q) for lp, q in zip(lps, seqs, strict=True))
             assert h[0].tokens == best[1]
@@ -109,8 +113,9 @@ def test_banned_ids_never_generated_and_length_limit():
     model = build_model(tiny_config(), seed=4).eval()
     src = _sources()
     tags = list(range(4, 12))
-    hyps = beam_search(model, src, beam=4, max_len_a=1.0, max_len_b=2, nbest=4,
-                       banned_ids=BANNED + tags)
+    hyps = beam_search(
+        model, src, beam=4, max_len_a=1.0, max_len_b=2, nbest=4, banned_ids=BANNED + tags
+    )
     limits = max_lengths(src, 1.0, 2, model.cfg.max_positions).tolist()
     assert limits == [8, 5]
     for h_list, limit in zip(hyps, limits, strict=True):

@@ -36,18 +36,29 @@ def make_data_dir(root: Path, n: int = 6) -> Path:
                 "".join(x + "\n" for x in text[lang]), encoding="utf-8"
             )
         for src, tgt in ((other, "en"), ("en", other)):
-            refs[f"{src}-{tgt}"] = {"src": f"raw/test.{pair}.{src}", "tgt": f"raw/test.{pair}.{tgt}",
-                                    "sentences": n}
-    manifest = {"format": "megatron_branchnorm-data", "pivot": "en",
-                "languages": ["de", "en", "zh"],
-                "splits": {"train": {}, "dev": {"references": {}}, "test": {"references": refs}}}
+            refs[f"{src}-{tgt}"] = {
+                "src": f"raw/test.{pair}.{src}",
+                "tgt": f"raw/test.{pair}.{tgt}",
+                "sentences": n,
+            }
+    manifest = {
+        "format": "megatron_branchnorm-data",
+        "pivot": "en",
+        "languages": ["de", "en", "zh"],
+        "splits": {"train": {}, "dev": {"references": {}}, "test": {"references": refs}},
+    }
     (data / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     return data
 
 
 def sacrebleu_cli(ref: Path, hyp: Path, *args: str) -> float:
-    proc = subprocess.run([str(SACREBLEU), str(ref), "-i", str(hyp), "-b", "-w", "4", *args],
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [str(SACREBLEU), str(ref), "-i", str(hyp), "-b", "-w", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return float(proc.stdout.strip())
 
 
@@ -73,11 +84,14 @@ def test_tokenizer_follows_target_language():
     assert bleu_tokenizer("de") == "13a"
 
 
-@pytest.mark.parametrize(("lang", "lowercase", "cli_args"), [
-    ("en", False, ["-tok", "13a"]),
-    ("en", True, ["-tok", "13a", "-lc"]),
-    ("zh", False, ["-tok", "zh"]),
-])
+@pytest.mark.parametrize(
+    ("lang", "lowercase", "cli_args"),
+    [
+        ("en", False, ["-tok", "13a"]),
+        ("en", True, ["-tok", "13a", "-lc"]),
+        ("zh", False, ["-tok", "zh"]),
+    ],
+)
 def test_bleu_equals_sacrebleu_command_line(tmp_path, lang, lowercase, cli_args):
     refs = sentences(20, seed=5)[lang]
     hyps = [r.lower() if i % 3 else r[: len(r) // 2] for i, r in enumerate(refs)]
@@ -85,15 +99,18 @@ def test_bleu_equals_sacrebleu_command_line(tmp_path, lang, lowercase, cli_args)
     (tmp_path / "hyp").write_text("".join(x + "\n" for x in hyps), encoding="utf-8")
     ours = score_direction(hyps, refs, lang, lowercase)
     assert 0 < ours["bleu"] < 100
-    assert ours["bleu"] == pytest.approx(sacrebleu_cli(tmp_path / "ref", tmp_path / "hyp", *cli_args),
-                                         abs=1e-4)
+    assert ours["bleu"] == pytest.approx(
+        sacrebleu_cli(tmp_path / "ref", tmp_path / "hyp", *cli_args), abs=1e-4
+    )
     assert f"tok:{cli_args[1]}" in ours["signature"]
     assert ("case:lc" in ours["signature"]) == lowercase
 
 
 def test_averages():
-    d = {name: {"bleu": b} for name, b in
-         [("de-en", 10.0), ("zh-en", 20.0), ("en-de", 30.0), ("de-zh", 1.0)]}
+    d = {
+        name: {"bleu": b}
+        for name, b in [("de-en", 10.0), ("zh-en", 20.0), ("en-de", 30.0), ("de-zh", 1.0)]
+    }
     avg = averages(d, "en")
     assert avg == {"x-en": 15.0, "en-x": 30.0, "all": 15.25, "zero-shot": 1.0}
     assert averages({"de-en": {"bleu": 4.0}})["en-x"] is None
@@ -102,12 +119,33 @@ def test_averages():
 def test_evaluate_cli_json_hyps_and_sacrebleu_parity(tmp_path, text_export, monkeypatch, capsys):
     data = make_data_dir(tmp_path)
     out_json, hyp_dir = tmp_path / "res" / "test.json", tmp_path / "hyp"
-    code = load_tool("evaluate").main([
-        "--model", str(text_export), "--data", str(data), "--split", "test",
-        "--json", str(out_json), "--hyp-dir", str(hyp_dir), "--directions", "de-en,en-zh",
-        "--beam", "2", "--max-len-a", "0", "--max-len-b", "6", "--max-sentences", "4",
-        "--threads", "1", "--quiet",
-    ])
+    code = load_tool("evaluate").main(
+        [
+            "--model",
+            str(text_export),
+            "--data",
+            str(data),
+            "--split",
+            "test",
+            "--json",
+            str(out_json),
+            "--hyp-dir",
+            str(hyp_dir),
+            "--directions",
+            "de-en,en-zh",
+            "--beam",
+            "2",
+            "--max-len-a",
+            "0",
+            "--max-len-b",
+            "6",
+            "--max-sentences",
+            "4",
+            "--threads",
+            "1",
+            "--quiet",
+        ]
+    )
     stdout, stderr = capsys.readouterr()
     assert code == 0, stderr
     report = json.loads(out_json.read_text(encoding="utf-8"))

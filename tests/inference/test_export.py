@@ -50,7 +50,9 @@ def test_round_trip_logits(tmp_path, scheme, tol):
     if scheme == "branchnorm":
         assert meta["alpha"] == pytest.approx(0.37)
     # The loaded model re-exports to identical bytes: loading loses nothing.
-    again = save_export(loaded, tmp_path / "again", None, {"source_checkpoint": "ckpt/global_step37"})
+    again = save_export(
+        loaded, tmp_path / "again", None, {"source_checkpoint": "ckpt/global_step37"}
+    )
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 

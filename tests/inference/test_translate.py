@@ -101,9 +101,19 @@ def test_invalid_utf8_names_the_line():
 
 def test_cli_stdin_stdout_matches_api(text_export, translator):
     lines = sentences(5, seed=7)["de"]
-    proc = run_tool("--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en",
-                    "--beam", "2", "--lenpen", "1.0",
-                    stdin="".join(x + "\n" for x in lines).encode())
+    proc = run_tool(
+        "--model",
+        str(text_export),
+        "--src-lang",
+        "de",
+        "--tgt-lang",
+        "en",
+        "--beam",
+        "2",
+        "--lenpen",
+        "1.0",
+        stdin="".join(x + "\n" for x in lines).encode(),
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode().split("\n")
     assert out[-1] == "" and len(out) == len(lines) + 1
@@ -114,10 +124,33 @@ def test_cli_files_and_nbest(tmp_path, text_export, monkeypatch, capsys):
     src = tmp_path / "in.en"
     src.write_text("".join(x + "\n" for x in sentences(4, seed=9)["en"]), encoding="utf-8")
     out = tmp_path / "out.zh"
-    code, _, err = run_main(monkeypatch, capsys, [
-        "--model", str(text_export), "--src-lang", "en", "--tgt-lang", "zh", "--input", str(src),
-        "--output", str(out), "--nbest", "3", "--beam", "3", "--max-len-a", "0",
-        "--max-len-b", "5", "--batch-tokens", "16", "--quiet"])
+    code, _, err = run_main(
+        monkeypatch,
+        capsys,
+        [
+            "--model",
+            str(text_export),
+            "--src-lang",
+            "en",
+            "--tgt-lang",
+            "zh",
+            "--input",
+            str(src),
+            "--output",
+            str(out),
+            "--nbest",
+            "3",
+            "--beam",
+            "3",
+            "--max-len-a",
+            "0",
+            "--max-len-b",
+            "5",
+            "--batch-tokens",
+            "16",
+            "--quiet",
+        ],
+    )
     assert code == 0, err
     rows = [r.split("\t") for r in out.read_text(encoding="utf-8").splitlines()]
     assert len(rows) == 12
@@ -133,15 +166,32 @@ def test_cli_help_and_one_line_errors(tmp_path, text_export, monkeypatch, capsys
     cases = [
         (["--model", str(tmp_path / "nope"), "--src-lang", "de", "--tgt-lang", "en"], "nope"),
         (["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "fr"], "<2fr>"),
-        (["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en", "--beam", "0"],
-         "--beam"),
-        (["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en", "--input",
-          str(tmp_path / "missing.txt")], "missing.txt"),
+        (
+            ["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en", "--beam", "0"],
+            "--beam",
+        ),
+        (
+            [
+                "--model",
+                str(text_export),
+                "--src-lang",
+                "de",
+                "--tgt-lang",
+                "en",
+                "--input",
+                str(tmp_path / "missing.txt"),
+            ],
+            "missing.txt",
+        ),
     ]
     for args, needle in cases:
         code, _, err = run_main(monkeypatch, capsys, args, stdin=b"hello\n")
         assert code != 0
         assert len(err.strip().splitlines()) == 1 and needle in err, err
-    code, _, err = run_main(monkeypatch, capsys, ["--model", str(text_export), "--src-lang", "de",
-                                                  "--tgt-lang", "en"], stdin=b"fine\n\xfe\xff\n")
+    code, _, err = run_main(
+        monkeypatch,
+        capsys,
+        ["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en"],
+        stdin=b"fine\n\xfe\xff\n",
+    )
     assert code == 1 and "<stdin>:2: invalid UTF-8" in err
