@@ -97,17 +97,35 @@ def _check_output(out: Path, overwrite: bool) -> None:
         raise DataError(f"--output {out}: exists and is not empty (use --overwrite to replace it)")
 
 
+# The texts being encoded, visible to forked workers, which then receive only line ranges.
+_FORK_TEXTS: list[list[str]] = []
+
+
+def _encode_span(span: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode lines ``start:end`` of text ``k`` of :data:`_FORK_TEXTS` (in a forked worker)."""
+    k, start, end = span
+    return spm_lib.encode_chunk(_FORK_TEXTS[k][start:end])
+
+
+def _encode_lines(
+    span_and_lines: tuple[tuple[int, int, int], list[str]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encode lines sent along with their range (in-process or a spawned worker)."""
+    return spm_lib.encode_chunk(span_and_lines[1])
+
+
 def _encode_all(
     texts: list[list[str]], model_file: str, workers: int, progress: bool | None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Encode each list of lines; returns (flat ids, lengths) per list, in order."""
-    chunks: list[tuple[int, list[str]]] = []
-    for k, lines in enumerate(texts):
-        for s in range(0, len(lines), CHUNK_LINES):
-            chunks.append((k, lines[s : s + CHUNK_LINES]))
-    n_lines = sum(len(c) for _, c in chunks)
+    global _FORK_TEXTS
+    spans = [
+        (k, s, min(s + CHUNK_LINES, len(lines)))
+        for k, lines in enumerate(texts)
+        for s in range(0, len(lines), CHUNK_LINES)
+    ]
     bar = tqdm(
-        total=n_lines,
+        total=sum(len(t) for t in texts),
         unit="sent",
         desc="encode",
         file=sys.stderr,
@@ -118,21 +136,28 @@ def _encode_all(
     # whole in-memory corpus again and again, so the collector pauses while encoding.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    pool = None
+    with_lines = ((sp, texts[sp[0]][sp[1] : sp[2]]) for sp in spans)
     if workers <= 1:
         spm_lib.init_worker(model_file, pool_worker=False)
-        it = map(spm_lib.encode_chunk, (c for _, c in chunks))
-        pool = None
-    else:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        pool = mp.get_context(method).Pool(
+        it = map(_encode_lines, with_lines)
+    elif "fork" in mp.get_all_start_methods():
+        _FORK_TEXTS = texts
+        pool = mp.get_context("fork").Pool(
             workers, initializer=spm_lib.init_worker, initargs=(model_file,)
         )
-        it = pool.imap(spm_lib.encode_chunk, (c for _, c in chunks), chunksize=1)
+        it = pool.imap(_encode_span, spans, chunksize=1)
+    else:
+        pool = mp.get_context("spawn").Pool(
+            workers, initializer=spm_lib.init_worker, initargs=(model_file,)
+        )
+        it = pool.imap(_encode_lines, with_lines, chunksize=1)
     try:
-        for (_, lines), res in zip(chunks, it, strict=True):
+        for (_, start, end), res in zip(spans, it, strict=True):
             results.append(res)
-            bar.update(len(lines))
+            bar.update(end - start)
     finally:
+        _FORK_TEXTS = []
         if gc_was_enabled:
             gc.enable()
         bar.close()
@@ -140,7 +165,7 @@ def _encode_all(
             pool.close()
             pool.join()
     by_text: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in range(len(texts))}
-    for (k, _), res in zip(chunks, results, strict=True):
+    for (k, _, _), res in zip(spans, results, strict=True):
         by_text[k].append(res)
     out: list[tuple[np.ndarray, np.ndarray]] = []
     for k in range(len(texts)):

@@ -64,10 +64,11 @@ def test_temperature_frequencies(small_data) -> None:
         sampler = BatchSampler(data, 400, temperature, seed=1)
         p = n ** (1 / temperature) / (n ** (1 / temperature)).sum()
         assert np.allclose(sampler.probs, p) and np.allclose(temperature_probs(n, temperature), p)
+        it = iter(sampler)
         for epoch in range(2):
             seen = np.zeros(len(n), dtype=np.int64)
-            for g, idx in sampler._plan(epoch):
-                seen[g] += idx.size
+            for batch in islice(it, sampler.batches_per_epoch(epoch)):
+                seen[data.directions.index(batch["direction"])] += batch["ids"].numel()
             assert seen.sum() == n.sum()
             assert np.abs(seen - n.sum() * p).max() <= 1.0
     # T=5 up-samples the small pair from a stream of permutations: in epoch 0 every fr sample
