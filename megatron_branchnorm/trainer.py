@@ -33,7 +33,12 @@ from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
 from megatron_branchnorm.model.residual import describe_layernorm
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
-from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, set_pipeline_step
+from megatron_branchnorm.pipeline import (
+    PipeLoss,
+    build_pipeline_module,
+    pipe_to_flat_key,
+    set_pipeline_step,
+)
 from megatron_branchnorm.tokens import PAD_ID
 
 logger = logging.getLogger("megatron_branchnorm")
@@ -423,12 +428,9 @@ class Trainer:
                     f"config key model.{key}: {new!r} differs from the checkpoint's {old!r} "
                     f"({tag_dir}); use a new train.save_dir"
                 )
-        if saved["parts"] != self.parts:
-            raise ConfigError(
-                f"config key pipeline.stages: stage layout {self.parts} differs from the "
-                f"checkpoint's {saved['parts']} ({tag_dir}); convert it with "
-                "tools/convert_checkpoint.py to re-partition"
-            )
+        if saved["parts"] != self.parts or saved.get("repartitioned"):
+            self._resume_other_layout(tag_dir, saved)
+            return
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
@@ -446,6 +448,40 @@ class Trainer:
                 f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.step}"
             )
         self.log(f"resumed from {tag_dir} at step {self.step}")
+
+    def _resume_other_layout(self, tag_dir: Path, saved: dict) -> None:
+        """Resume a checkpoint written with another stage layout: weights layer by layer
+        (layer files are named by their index in the layer list, not by stage), step, data
+        position; the optimizer state starts fresh (a warning says so) and the LR schedule
+        continues from the step."""
+        from megatron_branchnorm.inference.convert import read_checkpoint
+
+        _, flat = read_checkpoint(tag_dir)
+        names = spec_names(self.cfg.model)
+        state = {}
+        for key in self.module.state_dict():
+            if key.startswith("tied_modules.embed."):
+                flat_key = key.removeprefix("tied_modules.embed.")
+            else:
+                idx, local = key.split(".", 1)
+                flat_key = pipe_to_flat_key(names[int(idx)], local)
+            if flat_key not in flat:
+                raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
+            state[key] = flat[flat_key]
+        self.module.load_state_dict(state, strict=True)
+        self.step = int(saved["step"])
+        self.samples = int(saved["samples"])
+        self.train_batches.load_state_dict(saved["sampler"])
+        self.train_iter = iter(self.train_batches)
+        self.scheduler.last_epoch = self.step
+        factor = inverse_sqrt_factor(self.cfg)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor(self.step)
+        self.log(
+            f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
+            f"{self.parts}: weights loaded layer by layer at step {self.step}; optimizer state "
+            "(Adam moments) and RNG states start fresh"
+        )
 
     # ---- main loop ---------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-fraction",
         type=float,
         default=0.05,
-        help="share of English messages for each of dev and test",
+        help="share of the installed catalogs (bytes) for each of dev and test",
     )
     p.add_argument("--max-chars", type=int, default=400, help="drop longer messages")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")

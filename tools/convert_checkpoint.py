@@ -31,13 +31,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--average-last", type=int, default=1,
                         help="average the last K complete checkpoints up to --tag")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--repartition", type=int, default=None, metavar="STAGES",
+                        help="instead of exporting, write a training checkpoint re-laid out "
+                             "for STAGES pipeline stages into --output (a new save_dir)")
     args = parser.parse_args(argv)
 
     from megatron_branchnorm.checkpoint import CheckpointError
-    from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
+    from megatron_branchnorm.inference.convert import (
+        ConvertError,
+        load_pipeline_checkpoint,
+        repartition_checkpoint,
+    )
     from megatron_branchnorm.inference.export import ExportError, save_export
 
     try:
+        if args.repartition is not None:
+            out = repartition_checkpoint(args.checkpoint, args.output, args.repartition, args.tag)
+            print(f"wrote {out}: checkpoint for {args.repartition} stage(s)")
+            return 0
         model, meta = load_pipeline_checkpoint(args.checkpoint, args.tag, args.average_last)
         spm_path = None
         data = meta.get("data")

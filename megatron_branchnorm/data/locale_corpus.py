@@ -8,10 +8,11 @@ fuzzy flag to check), strip message contexts and keyboard mnemonics (``_File``, 
 collapse whitespace, and drop pairs without a letter, longer than ``max_chars`` or identical on
 both sides.
 
-Splits are made *by package family* (``pg_dump-15`` and ``psql-15`` are one family, so are the
+Splits are made *by package family* (``pg_dump-15`` and ``pg_ctl-15`` are one family, so are the
 ``iso_*`` catalogs): families are ordered by a hash of their name, the first ones go to test and
-the next to dev until each holds about ``eval_fraction`` of the English messages, the rest to
-train; the split is the same for every language. Pairs are deduplicated within a split, and a
+the next to dev until each holds about ``eval_fraction`` of the catalog bytes installed (over all
+languages), the rest to train. The split depends only on the installed catalogs, not on
+``--langs``: it is the same for every language and every language selection. Pairs are deduplicated within a split, and a
 dev or test pair whose English side also occurs in train (test: or in dev) is dropped, so test
 sentences come from programs, and sentences, never seen in training. Output is the OPUS-100
 layout, written to a temporary directory and renamed at the end.
@@ -119,7 +120,7 @@ class LocaleCorpusOptions:
     min_pairs: int = 1000
     """A language with fewer training pairs than this is an error."""
     eval_fraction: float = 0.05
-    """Target share of English messages for each of dev and test."""
+    """Target share of the installed catalog bytes for each of dev and test."""
     max_chars: int = 400
     overwrite: bool = False
 
@@ -149,13 +150,23 @@ def _lang_pairs(
     return out, raw
 
 
+def family_weights(locale_dir: str | Path) -> dict[str, int]:
+    """Bytes of compiled catalogs per package family, over every language installed: a proxy
+    for each family's message count that does not depend on which languages are built."""
+    weights: dict[str, int] = {}
+    for f in sorted(Path(locale_dir).glob("*/LC_MESSAGES/*.mo")):
+        fam = package_family(f.stem)
+        weights[fam] = weights.get(fam, 0) + f.stat().st_size
+    return weights
+
+
 def _stable_hash(name: str) -> str:
     return hashlib.sha256(name.encode("utf-8")).hexdigest()
 
 
 def assign_splits(family_sizes: dict[str, int], eval_fraction: float) -> dict[str, str]:
     """Split name per family: test first, then dev, each to about ``eval_fraction`` of the
-    messages, in hash order; a family bigger than twice the target stays in train."""
+    total weight, in hash order; a family heavier than twice the target stays in train."""
     total = sum(family_sizes.values())
     target = eval_fraction * total
     fill = {"test": 0, "dev": 0}
@@ -189,11 +200,7 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
     raw_counts = {}
     for lang in langs:
         per_lang[lang], raw_counts[lang] = _lang_pairs(locale_dir, lang, opts.max_chars)
-    family_en: dict[str, set[str]] = {}
-    for pkgs in per_lang.values():
-        for domain, pairs in pkgs.items():
-            family_en.setdefault(package_family(domain), set()).update(en for en, _ in pairs)
-    split_of = assign_splits({f: len(s) for f, s in family_en.items()}, opts.eval_fraction)
+    split_of = assign_splits(family_weights(locale_dir), opts.eval_fraction)
 
     corpus: dict[str, dict[str, list[tuple[str, str]]]] = {}
     summary: dict = {"locale_dir": str(locale_dir), "languages": {}, "families": {}}

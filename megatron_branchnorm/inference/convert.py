@@ -122,3 +122,51 @@ def load_pipeline_checkpoint(
         "data": cfg.data.dataset,
     }
     return model, meta
+
+
+def repartition_checkpoint(
+    save_dir: str | Path, out_dir: str | Path, stages: int, tag: str | None = None
+) -> Path:
+    """Re-lay a checkpoint out for ``stages`` pipeline stages into a new save_dir.
+
+    Layer files are named by their index in the layer list, so they are copied unchanged
+    (their exports are byte-identical); the plan in ``train_config.json`` is recomputed
+    (balanced). DeepSpeed's per-stage engine files (optimizer state) cannot be re-laid out:
+    a run resumed from the result loads weights by layer and starts the optimizer afresh.
+    """
+    import shutil
+
+    from megatron_branchnorm.partition import partition_plan
+
+    save_dir, out_dir = Path(save_dir), Path(out_dir)
+    (tag,) = resolve_tags(save_dir, tag)
+    src = save_dir / tag
+    info, _ = read_checkpoint(src)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConvertError(f"{out_dir}: already exists and is not empty")
+    cfg = config_from_dict(info["config"])
+    method = cfg.pipeline.partition if cfg.pipeline.partition in ("balanced", "uniform") else (
+        "balanced"
+    )
+    parts = partition_plan(cfg.model, stages, method)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / tag).mkdir(parents=True)
+    for path in src.iterdir():
+        if LAYER_FILE.match(path.name):
+            shutil.copyfile(path, tmp / tag / path.name)
+    info["parts"] = parts
+    info["repartitioned"] = True
+    info["config"]["pipeline"]["stages"] = stages
+    info["config"]["pipeline"]["partition"] = method
+    (tmp / tag / "train_config.json").write_text(
+        json.dumps(info, indent=1, sort_keys=True), encoding="utf-8"
+    )
+    ckpt.write_manifest(tmp / tag, int(info["step"]))
+    ckpt.write_latest(tmp, tag)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        out_dir.rmdir()
+    tmp.rename(out_dir)
+    return out_dir

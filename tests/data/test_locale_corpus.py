@@ -114,6 +114,13 @@ def test_build_split_by_package(tmp_path: Path) -> None:
         assert not set(lines["dev"]) & set(lines["train"])
         assert "same" not in lines["train"] and "%s" not in lines["train"]
         assert len(set(zip(lines["train"], other["train"], strict=True))) == len(lines["train"])
+    # The split does not depend on which languages are built together.
+    build_locale_corpus(
+        LocaleCorpusOptions(**{**opts.__dict__, "output": str(tmp_path / "de"), "langs": ("de",)})
+    )
+    for f in (base / "de-en").iterdir():
+        other_base = tmp_path / "de" / "opus-100-corpus" / "v1.0" / "supervised"
+        assert f.read_bytes() == (other_base / "de-en" / f.name).read_bytes()
     # Deterministic: a second build gives the same bytes.
     build_locale_corpus(LocaleCorpusOptions(**{**opts.__dict__, "output": str(tmp_path / "c2")}))
     for f in (tmp_path / "c1").rglob("*"):

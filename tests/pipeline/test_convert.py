@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -69,3 +70,44 @@ def test_corrupt_or_missing_layer_file_is_named(harness, tmp_path):
     assert proc.returncode == 2
     assert "layer_03-model_states.pt: missing" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "x").exists()
+
+
+def test_repartitioned_checkpoint_exports_identically(harness, tmp_path):
+    one = tmp_path / "one_stage"
+    run = [sys.executable, CONVERT, "--checkpoint", str(harness / "full")]
+    assert subprocess.run([*run, "--repartition", "1", "--output", str(one)],
+                          capture_output=True, timeout=300).returncode == 0
+    info = json.loads((one / "global_step20" / "train_config.json").read_text())
+    assert info["parts"] == [0, 17] and info["repartitioned"]
+    for src, out in ((harness / "full", tmp_path / "e2"), (one, tmp_path / "e1")):
+        proc = subprocess.run([sys.executable, CONVERT, "--checkpoint", str(src), "--output",
+                               str(out)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    # DESIGN.md §10: exports of the same weights saved as 1 and as 2 stages: identical bytes
+    for name in ("model.safetensors", "config.yaml"):
+        assert (tmp_path / "e1" / name).read_bytes() == (tmp_path / "e2" / name).read_bytes()
+
+
+def test_resume_with_another_stage_count(harness, tmp_path):
+    """A 2-stage checkpoint resumed by a single process: weights by layer, fresh optimizer
+    with a warning, step, data position and LR schedule continue."""
+    run = tmp_path / "run"
+    shutil.copytree(harness / "full", run)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "megatron_branchnorm" / "train.py"), "--config", "tiny_cpu",
+         "model.dropout=0.0", "train.max_steps=22", f"train.save_dir={run}",
+         "train.log_interval=1", "train.save_interval=0", "train.eval_interval=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "optimizer state (Adam moments) and RNG states start fresh" in proc.stdout
+    rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows][-3:] == [20, 21, 22]
+    full = {r["step"]: r for r in rows[:20]}
+    # the schedule continues: tiny_cpu warms up over 20 updates, then lr * sqrt(20 / t)
+    assert rows[-2]["lr"] == pytest.approx(full[20]["lr"] * (20 / 21) ** 0.5, rel=1e-6)
+    assert rows[-2]["alpha"] == pytest.approx(0.21)
+    # the resumed model starts where the 2-stage one ended: loss close to its last value
+    assert abs(rows[-2]["loss"] - full[20]["loss"]) < 0.5
+    assert (run / "global_step22" / "checksums.json").is_file()
