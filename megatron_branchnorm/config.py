@@ -236,7 +236,9 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     if shipped.is_file():
         return shipped
     names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"--config {name_or_path}: no such file and no shipped config (known: {names})")
+    raise ConfigError(
+        f"--config {name_or_path}: no such file and no shipped config (known: {names})"
+    )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -278,7 +280,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> ExperimentConfig:
     """Load a YAML config (path or shipped name), apply ``key=value`` overrides, validate."""
     data = _read_yaml(resolve_config_path(path)) if path is not None else {}
     data = apply_overrides(data, list(overrides or []))
@@ -311,10 +315,18 @@ def _check(ok: bool, key: str, msg: str) -> None:
 
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     """Consistency checks of a ModelConfig; raises ConfigError naming the key."""
-    _check(m.encoder_layers >= 1, f"{prefix}.encoder_layers", f"must be >= 1, got {m.encoder_layers}")
-    _check(m.decoder_layers >= 1, f"{prefix}.decoder_layers", f"must be >= 1, got {m.decoder_layers}")
+    _check(
+        m.encoder_layers >= 1, f"{prefix}.encoder_layers", f"must be >= 1, got {m.encoder_layers}"
+    )
+    _check(
+        m.decoder_layers >= 1, f"{prefix}.decoder_layers", f"must be >= 1, got {m.decoder_layers}"
+    )
     _check(m.hidden_size >= 1, f"{prefix}.hidden_size", f"must be >= 1, got {m.hidden_size}")
-    _check(m.ffn_hidden_size >= 1, f"{prefix}.ffn_hidden_size", f"must be >= 1, got {m.ffn_hidden_size}")
+    _check(
+        m.ffn_hidden_size >= 1,
+        f"{prefix}.ffn_hidden_size",
+        f"must be >= 1, got {m.ffn_hidden_size}",
+    )
     _check(
         m.num_attention_heads >= 1,
         f"{prefix}.num_attention_heads",
@@ -337,7 +349,11 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         f"{prefix}.branchnorm_schedule",
         f"unknown schedule {m.branchnorm_schedule!r} (choose from {', '.join(BRANCHNORM_SCHEDULES)})",
     )
-    _check(m.branchnorm_steps >= 1, f"{prefix}.branchnorm_steps", f"must be >= 1, got {m.branchnorm_steps}")
+    _check(
+        m.branchnorm_steps >= 1,
+        f"{prefix}.branchnorm_steps",
+        f"must be >= 1, got {m.branchnorm_steps}",
+    )
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         v = getattr(m, name)
         _check(0.0 <= v < 1.0, f"{prefix}.{name}", f"must be in [0, 1), got {v}")
@@ -394,7 +410,9 @@ def validate(cfg: ExperimentConfig) -> None:
         f"must be >= 0, got {p.activation_checkpoint_interval}",
     )
     _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
-    _check(t.max_time_minutes >= 0, "train.max_time_minutes", f"must be >= 0, got {t.max_time_minutes}")
+    _check(
+        t.max_time_minutes >= 0, "train.max_time_minutes", f"must be >= 0, got {t.max_time_minutes}"
+    )
     _check(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
     _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")

@@ -60,8 +60,13 @@ def entry_costs(cfg: ModelConfig) -> list[float]:
     dec = 2 * attn + 2 * d * f  # + cross-attention
     small = 1.0 * d  # layer norms, embedding lookups: keep them positive, never free
     costs = {
-        "embed": small, "enc": enc, "enc_final": small, "dec_embed": small,
-        "dec": dec, "dec_final": small, "output": d * v,
+        "embed": small,
+        "enc": enc,
+        "enc_final": small,
+        "dec_embed": small,
+        "dec": dec,
+        "dec_final": small,
+        "output": d * v,
     }
     return [float(costs[e.kind]) for e in spec_entries(cfg)]
 
@@ -129,9 +134,12 @@ def layout_parts(cfg: ModelConfig, layout: str) -> list[int]:
         )
     n = cfg.encoder_layers
     # spec index of each counted item
-    positions = [0] + [1 + i for i in range(n)] + [
-        n + 3 + j for j in range(cfg.decoder_layers)
-    ] + [n + cfg.decoder_layers + 4]
+    positions = (
+        [0]
+        + [1 + i for i in range(n)]
+        + [n + 3 + j for j in range(cfg.decoder_layers)]
+        + [n + cfg.decoder_layers + 4]
+    )
     parts = [0]
     seen = 0
     for items in counted[:-1]:

@@ -111,8 +111,9 @@ def layer_specs(cfg: ModelConfig, seed: int) -> list:
     for entry in spec_entries(cfg):
         if entry.kind == "embed":
             specs.append(
-                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed,
-                              tied_weight_attr=["embedding.weight"])
+                TiedLayerSpec(
+                    "embed", SharedEmbeddingPipe, cfg, seed, tied_weight_attr=["embedding.weight"]
+                )
             )
         elif entry.kind == "enc":
             specs.append(LayerSpec(EncoderLayerPipe, cfg, a_enc, b_enc, seed, entry.layer))
@@ -120,15 +121,27 @@ def layer_specs(cfg: ModelConfig, seed: int) -> list:
             specs.append(LayerSpec(FinalNormPipe, cfg))
         elif entry.kind == "dec_embed":
             specs.append(
-                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed, forward_fn=decoder_embed_fn,
-                              tied_weight_attr=["embedding.weight"])
+                TiedLayerSpec(
+                    "embed",
+                    SharedEmbeddingPipe,
+                    cfg,
+                    seed,
+                    forward_fn=decoder_embed_fn,
+                    tied_weight_attr=["embedding.weight"],
+                )
             )
         elif entry.kind == "dec":
             specs.append(LayerSpec(DecoderLayerPipe, cfg, a_dec, b_dec, seed, entry.layer))
         else:  # output
             specs.append(
-                TiedLayerSpec("embed", SharedEmbeddingPipe, cfg, seed, forward_fn=output_fn,
-                              tied_weight_attr=["embedding.weight"])
+                TiedLayerSpec(
+                    "embed",
+                    SharedEmbeddingPipe,
+                    cfg,
+                    seed,
+                    forward_fn=output_fn,
+                    tied_weight_attr=["embedding.weight"],
+                )
             )
     return specs
 

@@ -28,8 +28,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="Overrides: section.key=value, e.g. model.encoder_layers=12 train.max_steps=100",
     )
     parser.add_argument("--config", required=True, help="YAML path or shipped config name")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help="set by the deepspeed launcher")
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args, unknown = parser.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("-")]

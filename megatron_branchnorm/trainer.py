@@ -47,8 +47,13 @@ REQUEUE_EXIT_CODE = 75
 """Exit code after a signal-triggered checkpoint (EX_TEMPFAIL): job scripts requeue on it."""
 
 ARCH_KEYS = (
-    "encoder_layers", "decoder_layers", "hidden_size", "ffn_hidden_size",
-    "num_attention_heads", "vocab_size", "residual",
+    "encoder_layers",
+    "decoder_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "residual",
 )
 YAML_OWNED_DS_KEYS = {
     "train_batch_size": "train.micro_batches",
@@ -247,23 +252,28 @@ class Trainer:
         self.stop_signal = 0
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(
-            dist_backend=backend, timeout=datetime.timedelta(minutes=10)
-        )
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
         self.rank = dist.get_rank()
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
         module = build_pipeline_module(
-            cfg.model, self.parts, cfg.train.seed, self.loss_fn,
+            cfg.model,
+            self.parts,
+            cfg.train.seed,
+            self.loss_fn,
             cfg.pipeline.activation_checkpoint_interval,
         )
         self.fp32 = not (
-            self.ds_config.get("fp16", {}).get("enabled") or self.ds_config.get("bf16", {}).get("enabled")
+            self.ds_config.get("fp16", {}).get("enabled")
+            or self.ds_config.get("bf16", {}).get("enabled")
         )
         t = cfg.train
         optimizer = AdamW(
-            [p for p in module.parameters() if p.requires_grad], lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+            [p for p in module.parameters() if p.requires_grad],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_factor(cfg))
         self.engine, _, _, _ = deepspeed.initialize(
@@ -400,8 +410,9 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
         t0 = time.time()
-        self.engine.save_checkpoint(str(self.save_dir), tag=tag, client_state=client,
-                                    save_latest=False)
+        self.engine.save_checkpoint(
+            str(self.save_dir), tag=tag, client_state=client, save_latest=False
+        )
         torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
         dist.barrier()
         if self.rank == 0:
@@ -475,7 +486,7 @@ class Trainer:
         self.train_iter = iter(self.train_batches)
         self.scheduler.last_epoch = self.step
         factor = inverse_sqrt_factor(self.cfg)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * factor(self.step)
         self.log(
             f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
@@ -527,7 +538,9 @@ class Trainer:
             if applied:
                 self.step += 1
                 interval_tokens += all_tokens
-            if applied and (self.step % cfg.train.log_interval == 0 or self.step == cfg.train.max_steps):
+            if applied and (
+                self.step % cfg.train.log_interval == 0 or self.step == cfg.train.max_steps
+            ):
                 now = time.time()
                 gn = self.engine.get_global_grad_norm()
                 nll = nll_sum / max(count, 1)
@@ -540,7 +553,8 @@ class Trainer:
                     "grad_norm": None if gn is None else float(gn),
                     "alpha": alpha,
                     "loss_scale": float(getattr(self.optimizer, "cur_scale", 1.0))
-                    if self.fp32 else float(getattr(self.engine.optimizer, "cur_scale", 1.0)),
+                    if self.fp32
+                    else float(getattr(self.engine.optimizer, "cur_scale", 1.0)),
                     "tokens_per_sec": interval_tokens / max(now - last_log_time, 1e-9),
                     "samples": self.samples,
                     "memory_mb": self._memory_mb(),

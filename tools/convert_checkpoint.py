@@ -28,12 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="global_stepN (default: latest)")
     parser.add_argument("--output", required=True, help="export directory to create")
     parser.add_argument("--format", choices=("native", "hf"), default="native")
-    parser.add_argument("--average-last", type=int, default=1,
-                        help="average the last K complete checkpoints up to --tag")
+    parser.add_argument(
+        "--average-last",
+        type=int,
+        default=1,
+        help="average the last K complete checkpoints up to --tag",
+    )
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--repartition", type=int, default=None, metavar="STAGES",
-                        help="instead of exporting, write a training checkpoint re-laid out "
-                             "for STAGES pipeline stages into --output (a new save_dir)")
+    parser.add_argument(
+        "--repartition",
+        type=int,
+        default=None,
+        metavar="STAGES",
+        help="instead of exporting, write a training checkpoint re-laid out "
+        "for STAGES pipeline stages into --output (a new save_dir)",
+    )
     args = parser.parse_args(argv)
 
     from megatron_branchnorm.checkpoint import CheckpointError
@@ -70,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                 result = export_hf(model, args.output, spm_path)
             except HFExportError as exc:
                 raise ExportError(str(exc)) from None
-            print(f"wrote {args.output} (Hugging Face MarianMTModel; max |logit diff| "
-                  f"{result['max_abs_diff']:.2e})")
+            print(
+                f"wrote {args.output} (Hugging Face MarianMTModel; max |logit diff| "
+                f"{result['max_abs_diff']:.2e})"
+            )
     except (ConvertError, CheckpointError, ExportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

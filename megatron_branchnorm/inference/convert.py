@@ -145,8 +145,10 @@ def repartition_checkpoint(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConvertError(f"{out_dir}: already exists and is not empty")
     cfg = config_from_dict(info["config"])
-    method = cfg.pipeline.partition if cfg.pipeline.partition in ("balanced", "uniform") else (
-        "balanced"
+    method = (
+        cfg.pipeline.partition
+        if cfg.pipeline.partition in ("balanced", "uniform")
+        else ("balanced")
     )
     parts = partition_plan(cfg.model, stages, method)
     tmp = out_dir.parent / f".{out_dir.name}.tmp"

@@ -87,7 +87,9 @@ class MultiheadAttention(nn.Module):
             attn_mask = allowed if attn_mask is None else attn_mask & allowed
             causal = False
         y = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal and attn_mask is None,

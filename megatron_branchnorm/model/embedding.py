@@ -38,7 +38,9 @@ class TokenEmbedding(nn.Module):
             raise ValueError("config key model.vocab_size: not set (and no data manifest gave it)")
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         with torch.no_grad():
-            self.weight.normal_(0.0, cfg.hidden_size**-0.5, generator=layer_generator(seed, "embed", 0))
+            self.weight.normal_(
+                0.0, cfg.hidden_size**-0.5, generator=layer_generator(seed, "embed", 0)
+            )
             self.weight[PAD_ID].zero_()
 
 

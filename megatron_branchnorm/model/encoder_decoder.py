@@ -1,8 +1,8 @@
 """The flat encoder-decoder: single process; the reference for tests, inference and export.
 
-    model = build_model(cfg.model, seed=1)
-    model.set_step(t)                               # BranchNorm alpha_t for update t
-    logits = model(src_tokens, prev_output_tokens)  # (B, T, V)
+model = build_model(cfg.model, seed=1)
+model.set_step(t)                               # BranchNorm alpha_t for update t
+logits = model(src_tokens, prev_output_tokens)  # (B, T, V)
 """
 
 from __future__ import annotations

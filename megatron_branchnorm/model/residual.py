@@ -48,7 +48,9 @@ class Scheme(str, enum.Enum):
 # --------------------------------------------------------------------------------------------
 
 
-def deepnorm_constants(encoder_layers: int, decoder_layers: int) -> tuple[float, float, float, float]:
+def deepnorm_constants(
+    encoder_layers: int, decoder_layers: int
+) -> tuple[float, float, float, float]:
     """DeepNet's encoder-decoder constants (alpha_enc, beta_enc, alpha_dec, beta_dec).
 
     For an N-layer encoder and M-layer decoder (Wang et al., 2022, Table 1):
@@ -192,8 +194,10 @@ def describe_layernorm(impl: str, device_type: str) -> str:
     choice = select_layernorm(impl, device_type)
     if choice == "apex":
         return f"LayerNorm: apex FusedLayerNorm (layernorm_impl={impl}, device={device_type})"
-    reason = "requested" if impl == "torch" else (
-        "apex not importable" if apex_layernorm_class() is None else f"device={device_type}"
+    reason = (
+        "requested"
+        if impl == "torch"
+        else ("apex not importable" if apex_layernorm_class() is None else f"device={device_type}")
     )
     return f"LayerNorm: torch.nn.LayerNorm (layernorm_impl={impl}, {reason})"
 
@@ -237,8 +241,13 @@ class Residual(nn.Module):
     """
 
     def __init__(
-        self, scheme: str, dim: int, dropout: float, alpha: float = 1.0,
-        eps: float = 1e-5, layernorm_impl: str = "auto",
+        self,
+        scheme: str,
+        dim: int,
+        dropout: float,
+        alpha: float = 1.0,
+        eps: float = 1e-5,
+        layernorm_impl: str = "auto",
     ) -> None:
         super().__init__()
         self.scheme = Scheme(scheme)

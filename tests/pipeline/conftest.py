@@ -21,8 +21,14 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, port: int) -> dict:
     env = dict(os.environ)
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     return env
 
 
@@ -32,8 +38,15 @@ def launch_ranks(args: list[str], world: int, log_dir: Path, cwd: Path = ROOT) -
     procs = []
     for r in range(world):
         log = open(log_dir / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port),
-                                      cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                env=rank_env(r, world, port),
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return procs
 
 

@@ -33,10 +33,16 @@ SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
 
 
 def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
-    cfg = load_config("tiny_cpu", [
-        f"model.residual={scheme}", "model.dropout=0.0", "model.encoder_layers=3",
-        "model.decoder_layers=3", "model.branchnorm_steps=8",
-    ]).model
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            f"model.residual={scheme}",
+            "model.dropout=0.0",
+            "model.encoder_layers=3",
+            "model.decoder_layers=3",
+            "model.branchnorm_steps=8",
+        ],
+    ).model
     seed, step = 7, 3  # BranchNorm at alpha = 3/8: a non-trivial factor
     parts = partition_plan(cfg, 2)
     data = SyntheticData(64, cfg.vocab_size, 20)
@@ -62,8 +68,13 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
                 grads[flat] = p.grad.detach().clone()
 
     opt = Capture(module.parameters(), lr=0.0)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-          "train_batch_size": 1, "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     item = ((batch["src_tokens"], batch["prev_output_tokens"]), batch["target"])
     loss = float(engine.train_batch(data_iter=iter([item])))
@@ -83,7 +94,8 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
     dist.all_gather_object(gathered, {"n": len(grads), "worst": worst})
     if rank == 0:
         out["parity"][key] = {
-            "loss": loss, "ref_loss": float(ref_loss / ntokens),
+            "loss": loss,
+            "ref_loss": float(ref_loss / ntokens),
             "grad_params": sum(g["n"] for g in gathered),
             "flat_params": len(ref),
             "worst_rel_grad_err": max(g["worst"] for g in gathered),
@@ -91,11 +103,19 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
 
 
 def trainer_run(workdir: Path, name: str, steps: int, extra: tuple[str, ...] = ()) -> None:
-    cfg = load_config("tiny_cpu", [
-        "pipeline.stages=2", "model.dropout=0.0", f"train.max_steps={steps}",
-        f"train.save_dir={workdir / name}", "train.log_interval=1", "train.save_interval=10",
-        "train.eval_interval=10", *extra,
-    ])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            "pipeline.stages=2",
+            "model.dropout=0.0",
+            f"train.max_steps={steps}",
+            f"train.save_dir={workdir / name}",
+            "train.log_interval=1",
+            "train.save_interval=10",
+            "train.eval_interval=10",
+            *extra,
+        ],
+    )
     Trainer(cfg).train()
 
 
@@ -112,11 +132,22 @@ def main() -> None:
     trainer_run(out_dir, "resume", 10)
     trainer_run(out_dir, "resume", 20)
     # A deep narrow BranchNorm model learns the copy/reverse task (loss must fall).
-    trainer_run(out_dir, "learn", 150, (
-        "model.encoder_layers=12", "model.decoder_layers=12", "model.dropout=0.1",
-        "train.save_interval=0", "train.eval_interval=150", "train.log_interval=5",
-        "train.warmup_steps=30", "train.lr=0.002", "model.branchnorm_steps=50",
-    ))
+    trainer_run(
+        out_dir,
+        "learn",
+        150,
+        (
+            "model.encoder_layers=12",
+            "model.decoder_layers=12",
+            "model.dropout=0.1",
+            "train.save_interval=0",
+            "train.eval_interval=150",
+            "train.log_interval=5",
+            "train.warmup_steps=30",
+            "train.lr=0.002",
+            "model.branchnorm_steps=50",
+        ),
+    )
     if rank == 0:
         (out_dir / "harness.json").write_text(json.dumps(out, indent=1))
     dist.barrier()

@@ -25,8 +25,12 @@ def _batch(vocab: int) -> dict:
 
 def test_convert_round_trip_matches_checkpoint(harness, tmp_path):
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, CONVERT, "--checkpoint", str(harness / "full"),
-                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, CONVERT, "--checkpoint", str(harness / "full"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     model, meta = load_pipeline_checkpoint(harness / "full")
     assert meta["tag"] == "global_step20" and meta["pipeline_stages"] == 2
@@ -65,8 +69,12 @@ def test_corrupt_or_missing_layer_file_is_named(harness, tmp_path):
     with pytest.raises(ConvertError, match="layer_03-model_states.pt: checksum mismatch"):
         load_pipeline_checkpoint(bad)
     layer.unlink()
-    proc = subprocess.run([sys.executable, CONVERT, "--checkpoint", str(bad), "--output",
-                           str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, CONVERT, "--checkpoint", str(bad), "--output", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "layer_03-model_states.pt: missing" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "x").exists()
@@ -75,13 +83,21 @@ def test_corrupt_or_missing_layer_file_is_named(harness, tmp_path):
 def test_repartitioned_checkpoint_exports_identically(harness, tmp_path):
     one = tmp_path / "one_stage"
     run = [sys.executable, CONVERT, "--checkpoint", str(harness / "full")]
-    assert subprocess.run([*run, "--repartition", "1", "--output", str(one)],
-                          capture_output=True, timeout=300).returncode == 0
+    assert (
+        subprocess.run(
+            [*run, "--repartition", "1", "--output", str(one)], capture_output=True, timeout=300
+        ).returncode
+        == 0
+    )
     info = json.loads((one / "global_step20" / "train_config.json").read_text())
     assert info["parts"] == [0, 17] and info["repartitioned"]
     for src, out in ((harness / "full", tmp_path / "e2"), (one, tmp_path / "e1")):
-        proc = subprocess.run([sys.executable, CONVERT, "--checkpoint", str(src), "--output",
-                               str(out)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, CONVERT, "--checkpoint", str(src), "--output", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     # DESIGN.md §10: exports of the same weights saved as 1 and as 2 stages: identical bytes
     for name in ("model.safetensors", "config.yaml"):
@@ -94,10 +110,22 @@ def test_resume_with_another_stage_count(harness, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(harness / "full", run)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "megatron_branchnorm" / "train.py"), "--config", "tiny_cpu",
-         "model.dropout=0.0", "train.max_steps=22", f"train.save_dir={run}",
-         "train.log_interval=1", "train.save_interval=0", "train.eval_interval=0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "megatron_branchnorm" / "train.py"),
+            "--config",
+            "tiny_cpu",
+            "model.dropout=0.0",
+            "train.max_steps=22",
+            f"train.save_dir={run}",
+            "train.log_interval=1",
+            "train.save_interval=0",
+            "train.eval_interval=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "optimizer state (Adam moments) and RNG states start fresh" in proc.stdout

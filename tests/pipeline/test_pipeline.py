@@ -65,10 +65,22 @@ def test_one_stage_matches_two_stages(harness, tmp_path):
     """Same seed, dropout 0: a single process (1 stage) gives the 2-stage loss curve."""
     run = tmp_path / "one"
     proc = subprocess.run(
-        [sys.executable, TRAIN, "--config", "tiny_cpu", "model.dropout=0.0",
-         "train.max_steps=10", f"train.save_dir={run}", "train.log_interval=1",
-         "train.save_interval=0", "train.eval_interval=0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            TRAIN,
+            "--config",
+            "tiny_cpu",
+            "model.dropout=0.0",
+            "train.max_steps=10",
+            f"train.save_dir={run}",
+            "train.log_interval=1",
+            "train.save_interval=0",
+            "train.eval_interval=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     two = {r["step"]: r for r in metrics(harness / "full")}
@@ -92,9 +104,17 @@ def test_deep_branchnorm_model_learns(harness):
 
 def test_sigusr1_checkpoints_and_requeues(tmp_path):
     run = tmp_path / "sig"
-    args = [TRAIN, "--config", "tiny_cpu", "pipeline.stages=2", "train.max_steps=100000",
-            f"train.save_dir={run}", "train.log_interval=1", "train.save_interval=0",
-            "train.eval_interval=0"]
+    args = [
+        TRAIN,
+        "--config",
+        "tiny_cpu",
+        "pipeline.stages=2",
+        "train.max_steps=100000",
+        f"train.save_dir={run}",
+        "train.log_interval=1",
+        "train.save_interval=0",
+        "train.eval_interval=0",
+    ]
     procs = launch_ranks(args, 2, tmp_path)
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -111,8 +131,9 @@ def test_sigusr1_checkpoints_and_requeues(tmp_path):
     step = int(tag.removeprefix("global_step"))
     assert step >= 3 and (run / tag / "checksums.json").is_file()
     # the requeued job resumes from it
-    args = [a if not a.startswith("train.max_steps") else f"train.max_steps={step + 2}"
-            for a in args]
+    args = [
+        a if not a.startswith("train.max_steps") else f"train.max_steps={step + 2}" for a in args
+    ]
     procs = launch_ranks(args, 2, tmp_path)
     assert [p.wait(timeout=240) for p in procs] == [0, 0]
     steps = [r["step"] for r in metrics(run)]
@@ -124,8 +145,13 @@ def test_sigusr1_checkpoints_and_requeues(tmp_path):
 
 
 def _run_cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TRAIN, "--config", "tiny_cpu", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, TRAIN, "--config", "tiny_cpu", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_stages_not_dividing_world_size_is_rejected(tmp_path):
