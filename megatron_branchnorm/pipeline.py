@@ -203,6 +203,7 @@ def build_pipeline_module(
     seed: int,
     loss_fn: PipeLoss,
     activation_checkpoint_interval: int = 0,
+    dynamic_shape: bool = True,
 ) -> EncDecPipelineModule:
     """This rank's stage of the pipeline model (only its own layers are built).
 
@@ -219,7 +220,7 @@ def build_pipeline_module(
             torch.utils.checkpoint.checkpoint, use_reentrant=False
         ),
         checkpointable_layers=CHECKPOINTABLE,
-        dynamic_shape=True,
+        dynamic_shape=dynamic_shape,
     )
 
 
