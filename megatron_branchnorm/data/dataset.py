@@ -381,6 +381,11 @@ class BatchSampler:
             batches = [batches[i] for i in perm]
             batches = batches[: len(batches) - len(batches) % self.world_size]
         batches = batches[self.rank :: self.world_size]
+        if self.shuffle and not batches:
+            raise DataError(
+                f"no batch for rank {self.rank} of {self.world_size} in an epoch "
+                f"({int(self.counts.sum())} samples, max_tokens={self.max_tokens})"
+            )
         self._cached = (epoch, batches)
         return batches
 
