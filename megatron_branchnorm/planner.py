@@ -1,0 +1,425 @@
+"""Memory and time planner for a pipeline run: no model is built, nothing is imported from torch.
+
+    plan = plan_run(load_config("opus100_1000L"), gpus=32, gpu_memory_gb=40)
+    print(format_plan(plan))
+
+Per pipeline stage (boundaries from :func:`~megatron_branchnorm.partition.partition_plan`, the
+same call the trainer makes), it estimates in bytes:
+
+* **weights and gradients** -- parameters counted analytically per layer (checked against the
+  real ``EncoderLayer``/``DecoderLayer`` in ``tests/slurm/test_planner.py``); the tied
+  embedding is held by every stage that has one of ``embed``, ``dec_embed``, ``output``;
+* **optimizer state under ZeRO-1** -- fp32 master weights and Adam's two moments, partitioned
+  over the data-parallel replicas of the stage;
+* **activations** -- per in-flight micro-batch, with and without activation checkpointing.
+  DeepSpeed's 1F1B schedule keeps ``min(stages - s, micro_batches)`` micro-batches in flight on
+  stage ``s``. Without checkpointing a layer keeps ~34 (encoder) or ~47 (decoder: + cross-
+  attention) x tokens x d bytes at 16-bit (Korthikanti et al. 2022, with SDPA keeping no
+  T x T attention matrix when attention dropout is 0); with checkpointing every k layers only
+  each chunk's input is kept, plus one chunk's full activations while it is recomputed;
+* **loss workspace** on the last stage -- logits and their fp32 log-softmax and gradient;
+* a fixed **overhead** (CUDA context, NCCL buffers, allocator fragmentation).
+
+Precision follows the DeepSpeed JSON the config names (bf16, fp16 or fp32). The pipeline
+bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
+from megatron_branchnorm.partition import partition_plan, spec_entries
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+DEFAULT_VOCAB = 64000
+TIED_KINDS = ("embed", "dec_embed", "output")
+
+# Activation bytes per token per unit of width, at 16-bit, without checkpointing.
+ENC_ACT_PER_TOKEN_D = 34.0
+DEC_ACT_PER_TOKEN_D = 47.0
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------
+
+
+def linear_params(fan_in: int, fan_out: int) -> int:
+    """Weight plus bias of an ``nn.Linear``."""
+    return fan_in * fan_out + fan_out
+
+
+def encoder_layer_params(m: ModelConfig) -> int:
+    """Fused-QKV self-attention, FFN, and one LayerNorm per residual block (2)."""
+    d, f = m.hidden_size, m.ffn_hidden_size
+    attn = linear_params(d, 3 * d) + linear_params(d, d)
+    ffn = linear_params(d, f) + linear_params(f, d)
+    return attn + ffn + 2 * (2 * d)
+
+
+def decoder_layer_params(m: ModelConfig) -> int:
+    """The encoder layer plus cross-attention (q, fused kv, out) and its LayerNorm."""
+    d = m.hidden_size
+    cross = linear_params(d, d) + linear_params(d, 2 * d) + linear_params(d, d)
+    return encoder_layer_params(m) + cross + 2 * d
+
+
+def final_norm_params(m: ModelConfig) -> int:
+    """A stack's final LayerNorm: Pre-LN only (identity for the Post-LN family)."""
+    return 2 * m.hidden_size if m.residual == "preln" else 0
+
+
+def embedding_params(m: ModelConfig) -> int:
+    """The shared (V, d) embedding matrix; positions are sinusoidal buffers."""
+    return int(m.vocab_size or 0) * m.hidden_size
+
+
+def entry_params(m: ModelConfig) -> list[int]:
+    """Parameters of each entry of the pipeline layer list (the tied embedding counted on
+    every entry that uses it)."""
+    per_kind = {
+        "embed": embedding_params(m),
+        "enc": encoder_layer_params(m),
+        "enc_final": final_norm_params(m),
+        "dec_embed": embedding_params(m),
+        "dec": decoder_layer_params(m),
+        "dec_final": final_norm_params(m),
+        "output": embedding_params(m),
+    }
+    return [per_kind[e.kind] for e in spec_entries(m)]
+
+
+def total_params(m: ModelConfig) -> int:
+    """Parameters of the whole model, the shared embedding counted once."""
+    return (
+        m.encoder_layers * encoder_layer_params(m)
+        + m.decoder_layers * decoder_layer_params(m)
+        + 2 * final_norm_params(m)
+        + embedding_params(m)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each state for one DeepSpeed precision mode."""
+
+    name: str
+    weights: float  # model weights on the GPU
+    grads: float  # gradient buffers (full, not partitioned under ZeRO-1)
+    optim: float  # optimizer state (fp32 master + Adam m, v), partitioned over dp under ZeRO-1
+    activation: float  # bytes per activation element
+    zero_stage: int
+
+
+def precision_from_ds_config(path: str) -> Precision:
+    """Read the precision and ZeRO stage from a DeepSpeed JSON (a path or ds_configs/ name).
+
+    bf16 (DeepSpeed's BF16_Optimizer, grad_accum_dtype fp32): bf16 weights, bf16 grads plus the
+    fp32 accumulation buffer, fp32 master + m + v. fp16 (ZeRO-1 optimizer): fp16 weights and
+    grads, fp32 master + m + v + the fp32 gradient partition. fp32: weights, grads, m, v.
+    """
+    p = Path(path)
+    if not p.is_file() and not p.is_absolute():
+        p = ROOT / path
+    if not p.is_file():
+        raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
+    ds = json.loads(p.read_text(encoding="utf-8"))
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if ds.get("bf16", {}).get("enabled"):
+        return Precision("bf16", 2, 2 + 4, 12, 2, stage)
+    if ds.get("fp16", {}).get("enabled"):
+        return Precision("fp16", 2, 2, 16, 2, stage)
+    return Precision("fp32", 4, 4, 8, 4, stage)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StagePlan:
+    """Estimated memory of one pipeline stage (bytes)."""
+
+    stage: int
+    entries: tuple[int, int]  # first, last index in the layer list
+    encoder_layers: int
+    decoder_layers: int
+    params: int
+    weights_grads: float
+    optimizer: float
+    in_flight: int
+    act_no_ckpt: float
+    act_ckpt: float
+    loss_workspace: float
+
+    def total(self, checkpointing: bool, overhead: float) -> float:
+        """Peak estimate with or without activation checkpointing."""
+        act = self.act_ckpt if checkpointing else self.act_no_ckpt
+        return self.weights_grads + self.optimizer + act + self.loss_workspace + overhead
+
+
+@dataclass
+class RunPlan:
+    """A whole run: topology, per-stage estimates and the verdict."""
+
+    config_name: str
+    model: ModelConfig
+    gpus: int
+    gpu_memory: float
+    stages: int
+    dp: int
+    micro_batches: int
+    micro_batch_tokens: int
+    checkpoint_interval: int
+    precision: Precision
+    overhead: float
+    stage_plans: list[StagePlan]
+    tflops: float
+
+    @property
+    def total_params(self) -> int:
+        """Parameters of the model (embedding once)."""
+        return total_params(self.model)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the 1F1B pipeline: (p - 1) / (m + p - 1)."""
+        p, m = self.stages, self.micro_batches
+        return (p - 1) / (m + p - 1)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the config checkpoints activations."""
+        return self.checkpoint_interval > 0
+
+    def peak(self, checkpointing: bool | None = None) -> float:
+        """Largest per-GPU estimate over the stages."""
+        ck = self.checkpointing if checkpointing is None else checkpointing
+        return max(s.total(ck, self.overhead) for s in self.stage_plans)
+
+    def fits(self, checkpointing: bool | None = None) -> bool:
+        """Whether every stage's estimate fits in one GPU's memory."""
+        return self.peak(checkpointing) <= self.gpu_memory
+
+    @property
+    def tokens_per_update(self) -> int:
+        """Tokens (source side, padded) per optimizer update over all replicas."""
+        return self.micro_batch_tokens * self.micro_batches * self.dp
+
+    @property
+    def flops_per_update(self) -> float:
+        """Training FLOPs per update: 6 x matmul params x tokens (+ recompute with
+        checkpointing: 8x), embedding lookup excluded, output projection included."""
+        m = self.model
+        body = m.encoder_layers * encoder_layer_params(m) + m.decoder_layers * decoder_layer_params(
+            m
+        )
+        factor = 8.0 if self.checkpointing else 6.0
+        return (factor * body + 6.0 * embedding_params(m)) * self.tokens_per_update
+
+    def checkpoint_bytes(self) -> tuple[float, float]:
+        """(whole checkpoint, largest rank's share): weights in the training dtype from one
+        replica per stage, plus fp32 master weights and Adam moments from every ZeRO-1 shard."""
+        saved_optim = 8.0 if self.precision.name == "fp32" else 12.0
+        shards = self.dp if self.precision.zero_stage >= 1 else 1
+        total = sum(s.params for s in self.stage_plans) * self.precision.weights
+        total += self.total_params * saved_optim
+        per_rank = max(
+            s.params * (self.precision.weights + saved_optim / shards) for s in self.stage_plans
+        )
+        return total, per_rank
+
+    @property
+    def seconds_per_update(self) -> float:
+        """FLOPs / (gpus x sustained TFLOP/s), stretched by the pipeline bubble."""
+        return self.flops_per_update / (self.gpus * self.tflops * 1e12) / (1.0 - self.bubble)
+
+
+def parse_memory(text: str) -> float:
+    """'80GB', '40G', '79.6GiB' or a plain number of GB -> bytes."""
+    t = text.strip().upper()
+    for suffix, unit in (("GIB", 2**30), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 1e6)):
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * unit
+    return float(t) * GB
+
+
+def _activation_bytes(
+    m: ModelConfig, enc: int, dec: int, tokens: int, act_bytes: float, interval: int
+) -> tuple[float, float]:
+    """(without, with checkpointing) activation bytes of one micro-batch on one stage."""
+    d = m.hidden_size
+    scale = act_bytes / 2.0  # the per-layer constants are for 16-bit activations
+    enc_full = ENC_ACT_PER_TOKEN_D * tokens * d * scale
+    dec_full = DEC_ACT_PER_TOKEN_D * tokens * d * scale
+    without = enc * enc_full + dec * dec_full
+    if interval <= 0:
+        return without, without
+    layers = enc + dec
+    chunks = math.ceil(layers / interval) if layers else 0
+    kept = chunks * tokens * d * act_bytes  # each chunk's input; memory is one shared tensor
+    kept += (tokens * d * act_bytes) if dec else 0  # the encoder output travelling along
+    one_chunk = min(interval, layers) * max(enc_full if enc else 0.0, dec_full if dec else 0.0)
+    return without, kept + one_chunk
+
+
+def plan_run(
+    cfg: ExperimentConfig,
+    gpus: int,
+    gpu_memory: float,
+    stages: int | None = None,
+    micro_batch_tokens: int | None = None,
+    micro_batches: int | None = None,
+    vocab_size: int | None = None,
+    overhead: float = 3 * GB,
+    tflops: float = 100.0,
+    config_name: str = "",
+) -> RunPlan:
+    """Plan ``cfg`` on ``gpus`` GPUs of ``gpu_memory`` bytes (see the module docstring)."""
+    vocab = cfg.model.vocab_size or vocab_size or DEFAULT_VOCAB
+    m = dataclasses.replace(cfg.model, vocab_size=vocab)
+    p = stages or cfg.pipeline.stages
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if gpus % p:
+        raise ConfigError(
+            f"config key pipeline.stages: {p} stages do not divide {gpus} GPUs "
+            f"(try --stages with a divisor of {gpus}, or --stages auto)"
+        )
+    dp = gpus // p
+    tokens = micro_batch_tokens or cfg.data.max_tokens
+    mb = micro_batches or cfg.train.micro_batches
+    prec = precision_from_ds_config(cfg.train.deepspeed_config)
+    interval = cfg.pipeline.activation_checkpoint_interval
+    parts = partition_plan(m, p, cfg.pipeline.partition)
+    entries = spec_entries(m)
+    params = entry_params(m)
+    plans = []
+    for s in range(p):
+        chunk = range(parts[s], parts[s + 1])
+        kinds = [entries[i].kind for i in chunk]
+        n_params = sum(params[i] for i in chunk if entries[i].kind not in TIED_KINDS)
+        if any(k in TIED_KINDS for k in kinds):
+            n_params += embedding_params(m)  # one tied copy per stage that uses it
+        enc, dec = kinds.count("enc"), kinds.count("dec")
+        optim_div = dp if prec.zero_stage >= 1 else 1
+        in_flight = min(p - s, mb)
+        without, _ = _activation_bytes(m, enc, dec, tokens, prec.activation, 0)
+        # "with checkpointing" for a config that has none is reported at interval 1
+        _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, interval or 1)
+        loss = 0.0
+        if "output" in kinds:  # logits (act dtype) + fp32 log-softmax + its gradient
+            loss = tokens * vocab * (prec.activation + 8)
+        plans.append(
+            StagePlan(
+                stage=s,
+                entries=(parts[s], parts[s + 1] - 1),
+                encoder_layers=enc,
+                decoder_layers=dec,
+                params=n_params,
+                weights_grads=n_params * (prec.weights + prec.grads),
+                optimizer=n_params * prec.optim / optim_div,
+                in_flight=in_flight,
+                act_no_ckpt=in_flight * without,
+                act_ckpt=in_flight * with_ckpt,
+                loss_workspace=loss,
+            )
+        )
+    return RunPlan(
+        config_name=config_name,
+        model=m,
+        gpus=gpus,
+        gpu_memory=gpu_memory,
+        stages=p,
+        dp=dp,
+        micro_batches=mb,
+        micro_batch_tokens=tokens,
+        checkpoint_interval=interval,
+        precision=prec,
+        overhead=overhead,
+        stage_plans=plans,
+        tflops=tflops,
+    )
+
+
+def auto_stages(cfg: ExperimentConfig, gpus: int, gpu_memory: float, **kwargs) -> RunPlan:
+    """The plan with the fewest stages (smallest bubble) among divisors of ``gpus`` that fits;
+    the largest stage count if none does."""
+    last = None
+    layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 1
+    for p in [k for k in range(1, gpus + 1) if gpus % k == 0 and k <= layers]:
+        last = plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs)
+        if last.fits():
+            return last
+    if last is None:
+        raise ConfigError(f"no stage count divides {gpus} GPUs")
+    return last
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as a markdown table plus summary lines (``total parameters: X.XXB`` among them)."""
+    m = plan.model
+    ck = plan.checkpointing
+    ckpt_total, ckpt_rank = plan.checkpoint_bytes()
+    lines = [
+        f"config: {plan.config_name or '(custom)'}  ({m.encoder_layers}L-{m.decoder_layers}L, "
+        f"d={m.hidden_size}, ffn={m.ffn_hidden_size}, vocab={m.vocab_size}, {m.residual})",
+        f"topology: {plan.gpus} GPUs x {_gb(plan.gpu_memory)} GB = {plan.stages} stages x "
+        f"{plan.dp} data-parallel; {plan.precision.name}, ZeRO-{plan.precision.zero_stage}; "
+        f"{plan.micro_batches} micro-batches x {plan.micro_batch_tokens} tokens; "
+        "activation checkpointing: "
+        + (f"every {plan.checkpoint_interval} layer(s)" if ck else "off"),
+        "",
+        "| stage | entries | enc | dec | params (M) | weights+grads GB | ZeRO-1 optim GB "
+        "| in flight | act no-ckpt GB | act ckpt GB | loss GB | total no-ckpt GB | total ckpt GB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in plan.stage_plans:
+        lines.append(
+            f"| {s.stage} | {s.entries[0]}..{s.entries[1]} | {s.encoder_layers} | "
+            f"{s.decoder_layers} | {s.params / 1e6:.1f} | {_gb(s.weights_grads)} | "
+            f"{_gb(s.optimizer)} | {s.in_flight} | {_gb(s.act_no_ckpt)} | {_gb(s.act_ckpt)} | "
+            f"{_gb(s.loss_workspace)} | {_gb(s.total(False, plan.overhead))} | "
+            f"{_gb(s.total(True, plan.overhead))} |"
+        )
+    verdict = "fits" if plan.fits() else "does NOT fit"
+    other = "fits" if plan.fits(not ck) else "does not fit"
+    lines += [
+        "",
+        f"total parameters: {plan.total_params / 1e9:.2f}B ({plan.total_params:,})",
+        f"per-layer parameters: encoder {encoder_layer_params(m):,}, decoder "
+        f"{decoder_layer_params(m):,}, embedding {embedding_params(m):,}",
+        f"pipeline bubble: (p-1)/(m+p-1) = ({plan.stages}-1)/({plan.micro_batches}+"
+        f"{plan.stages}-1) = {plan.bubble:.1%}",
+        f"overhead per GPU (CUDA context, NCCL, fragmentation): {_gb(plan.overhead)} GB",
+        f"peak per GPU as configured ({'with' if ck else 'without'} checkpointing): "
+        f"{_gb(plan.peak())} GB of {_gb(plan.gpu_memory)} GB -> {verdict}",
+        f"peak per GPU {'without' if ck else 'with'} checkpointing: {_gb(plan.peak(not ck))} GB "
+        f"-> {other}",
+        f"tokens per update: {plan.tokens_per_update:,}; ~{plan.flops_per_update / 1e15:.3g} "
+        f"PFLOP per update; ~{plan.seconds_per_update:.3g} s per update at "
+        f"{plan.tflops:.0f} TFLOP/s sustained per GPU",
+        f"checkpoint: ~{_gb(ckpt_total)} GB in total, up to {_gb(ckpt_rank)} GB written by one rank",
+    ]
+    return "\n".join(lines)

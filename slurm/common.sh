@@ -1,0 +1,134 @@
+# shellcheck shell=bash
+# Shared body of the sbatch launchers in slurm/ (sourced by them, never run on its own).
+#
+# One process per rank through `srun` (DESIGN.md §8: the `deepspeed` launcher swallows
+# SIGUSR1 and the requeue exit code). Each rank's RANK/WORLD_SIZE/LOCAL_RANK come from
+# SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (megatron_branchnorm.trainer.setup_process_env);
+# MASTER_ADDR is the job's first node, MASTER_PORT derives from the job id. On SIGUSR1 (sent
+# by `#SBATCH --signal=USR1@LEAD` or `scancel --signal=USR1 JOBID`) every rank checkpoints and
+# exits 75; the job then requeues itself and the next run resumes from SAVE_DIR/latest.
+#
+# Environment overrides (read when the job starts; sbatch exports the submitting shell's):
+#   CONFIG         shipped config name or YAML path            (launcher default)
+#   DATA           data.dataset (a preprocessed DATA_DIR or "synthetic")
+#   SAVE_DIR       train.save_dir (checkpoints, metrics.jsonl)
+#   DS_CONFIG      train.deepspeed_config (ds_configs/*.json)
+#   EXTRA_ARGS     more section.key=value overrides, space-separated
+#   GPUS_PER_NODE  ranks per node (default: the allocation's tasks per node)
+#   VENV           a virtualenv to activate; otherwise `python` from PATH
+#   PYTHON         interpreter name or path (default: python)
+#   MASTER_PORT    rendezvous port (default: 20000 + job id mod 20000)
+#   GPU_MEMORY     per-GPU memory for the start-up plan printed by tools/plan_memory.py
+#   NO_REQUEUE=1   exit 75 instead of requeueing (for debugging)
+
+MB_REQUEUE_EXIT_CODE=75 # megatron_branchnorm.trainer.REQUEUE_EXIT_CODE
+
+mb_log() {
+    printf '[%s] %s\n' "$(date '+%F %T')" "$*"
+}
+
+mb_die() {
+    mb_log "error: $*" >&2
+    exit 2
+}
+
+# Activate $VENV when set; then check that the interpreter imports the package.
+mb_setup_python() {
+    if [[ -n ${VENV:-} ]]; then
+        [[ -f "$VENV/bin/activate" ]] || mb_die "VENV=$VENV has no bin/activate"
+        # shellcheck source=/dev/null
+        source "$VENV/bin/activate"
+    fi
+    PYTHON=${PYTHON:-python}
+    command -v "$PYTHON" >/dev/null || mb_die "no '$PYTHON' on PATH (set VENV or PYTHON)"
+    PYTHONPATH="$MB_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH
+}
+
+# MASTER_ADDR/MASTER_PORT, rank count and threads from SLURM's variables.
+mb_setup_rendezvous() {
+    [[ -n ${SLURM_JOB_ID:-} ]] || mb_die "not inside a SLURM job: submit with sbatch"
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    export MASTER_ADDR MASTER_PORT
+    NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+    local per_node=${SLURM_NTASKS_PER_NODE:-}
+    per_node=${per_node%%(*} # "8(x4)" -> "8"
+    GPUS_PER_NODE=${GPUS_PER_NODE:-${per_node:-1}}
+    WORLD_SIZE_PLANNED=$((NNODES * GPUS_PER_NODE))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+    unset RANK WORLD_SIZE LOCAL_RANK # each srun task derives its own from SLURM_PROCID
+}
+
+# Collect the trainer's key=value overrides into the array MB_OVERRIDES. (It is expanded as
+# ${MB_OVERRIDES[@]+"${MB_OVERRIDES[@]}"}: bash < 4.4 treats an empty array as unset under -u.)
+mb_collect_overrides() {
+    MB_OVERRIDES=()
+    [[ -n ${DATA:-} ]] && MB_OVERRIDES+=("data.dataset=$DATA")
+    [[ -n ${SAVE_DIR:-} ]] && MB_OVERRIDES+=("train.save_dir=$SAVE_DIR")
+    [[ -n ${DS_CONFIG:-} ]] && MB_OVERRIDES+=("train.deepspeed_config=$DS_CONFIG")
+    if [[ -n ${EXTRA_ARGS:-} ]]; then
+        local extra
+        read -r -a extra <<<"$EXTRA_ARGS"
+        MB_OVERRIDES+=("${extra[@]}")
+    fi
+    return 0
+}
+
+# Run the trainer on every rank; requeue the job when it exits with the requeue code.
+mb_launch() {
+    [[ -n ${MB_ROOT:-} ]] || mb_die "MB_ROOT is not set (the launcher sets it)"
+    : "${CONFIG:?CONFIG is not set}"
+    mb_setup_python
+    mb_setup_rendezvous
+    mb_collect_overrides
+    mb_log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}:" \
+        "${NNODES} node(s) x ${GPUS_PER_NODE} rank(s); master ${MASTER_ADDR}:${MASTER_PORT}"
+    mb_log "python: $(command -v "$PYTHON"); config: ${CONFIG} ${MB_OVERRIDES[*]:-}"
+
+    # Fail in seconds on a bad config or a stage count that does not divide the world size,
+    # and print the memory plan; not fitting is a warning only (the estimate is conservative).
+    local plan_status=0
+    "$PYTHON" "$MB_ROOT/tools/plan_memory.py" --config "$CONFIG" --gpus "$WORLD_SIZE_PLANNED" \
+        --gpu-memory "${GPU_MEMORY:-80GB}" ${MB_OVERRIDES[@]+"${MB_OVERRIDES[@]}"} || plan_status=$?
+    if ((plan_status == 2)); then
+        mb_die "the configuration is invalid (see above)"
+    elif ((plan_status != 0)); then
+        mb_log "warning: tools/plan_memory.py estimates it does not fit in ${GPU_MEMORY:-80GB}"
+    fi
+
+    # srun in the background so that a signal sent to this batch shell (`--signal=B:USR1`,
+    # `scancel --batch`) is forwarded to the ranks instead of killing the shell.
+    srun --nodes="$NNODES" --ntasks-per-node="$GPUS_PER_NODE" \
+        --ntasks="$WORLD_SIZE_PLANNED" --kill-on-bad-exit=0 \
+        "$PYTHON" -u "$MB_ROOT/megatron_branchnorm/train.py" --config "$CONFIG" \
+        ${MB_OVERRIDES[@]+"${MB_OVERRIDES[@]}"} &
+    local srun_pid=$!
+    # shellcheck disable=SC2064  # expand srun_pid now
+    trap "kill -USR1 $srun_pid 2>/dev/null || true" USR1
+    # shellcheck disable=SC2064
+    trap "kill -TERM $srun_pid 2>/dev/null || true" TERM
+    local status=0
+    while true; do
+        status=0
+        wait "$srun_pid" || status=$?
+        # wait returns > 128 when a trapped signal interrupts it: keep waiting for srun
+        if ((status > 128)) && kill -0 "$srun_pid" 2>/dev/null; then
+            continue
+        fi
+        break
+    done
+    trap - USR1 TERM
+
+    if ((status == MB_REQUEUE_EXIT_CODE)); then
+        if [[ ${NO_REQUEUE:-0} == 1 ]]; then
+            mb_log "trainer checkpointed and exited ${status}; NO_REQUEUE=1: not requeueing"
+            exit "$status"
+        fi
+        mb_log "trainer checkpointed and exited ${status}: requeueing job ${SLURM_JOB_ID}"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    mb_log "trainer exited ${status}"
+    exit "$status"
+}

@@ -1,0 +1,149 @@
+"""tools/plan_memory.py and megatron_branchnorm.planner: parameter counts against real layers,
+the 1000L total against the paper, the bubble, the fit verdict and the CLI contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_branchnorm.config import ConfigError, ModelConfig, load_config
+from megatron_branchnorm.model import build_model
+from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
+from megatron_branchnorm.planner import (
+    GB,
+    auto_stages,
+    decoder_layer_params,
+    encoder_layer_params,
+    format_plan,
+    parse_memory,
+    plan_run,
+    total_params,
+)
+from tests.slurm.conftest import ROOT
+
+PAPER_1000L_PARAMS = 3.8e9  # BranchNorm / DeepNet: 1000L (500L-500L) OPUS-100 model, 3.8B
+WIDTHS = [(8, 16), (8, 24), (16, 16), (16, 40), (24, 56)]  # (d, ffn) small enough to build
+
+
+def count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def small(d: int, f: int, **kw) -> ModelConfig:
+    return ModelConfig(hidden_size=d, ffn_hidden_size=f, num_attention_heads=2, vocab_size=40, **kw)
+
+
+@pytest.mark.parametrize("residual", ["branchnorm", "preln"])
+@pytest.mark.parametrize("d,f", WIDTHS)
+def test_layer_counts_match_real_layers(d, f, residual):
+    m = small(d, f, residual=residual)
+    assert encoder_layer_params(m) == count(EncoderLayer(m, 1.0, 1.0, 1, 0))
+    assert decoder_layer_params(m) == count(DecoderLayer(m, 1.0, 1.0, 1, 0))
+
+
+def _fit(kind) -> np.ndarray:
+    """Per-layer count as c1 d^2 + c2 d f + c3 d + c4 f, fitted on layers actually built."""
+    rows, counts = [], []
+    for d, f in WIDTHS:
+        m = small(d, f)
+        rows.append([d * d, d * f, d, f])
+        counts.append(count(kind(m, 1.0, 1.0, 1, 0)))
+    coef, residual, *_ = np.linalg.lstsq(np.array(rows, float), np.array(counts, float), rcond=None)
+    assert residual.size == 0 or residual[0] < 1e-6  # exactly this polynomial
+    return coef
+
+
+def test_1000L_count_matches_built_model_scaled_and_the_paper():
+    cfg = load_config("opus100_1000L").model
+    m = dataclasses.replace(cfg, vocab_size=64000)
+    # the whole 500L-500L model, built at a small width: the planner counts it exactly
+    tiny = dataclasses.replace(
+        m, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, vocab_size=40
+    )
+    assert total_params(tiny) == count(build_model(tiny))
+    # scaled analytically to d=512, ffn=2048 from layers actually built
+    d, f = m.hidden_size, m.ffn_hidden_size
+    basis = np.array([d * d, d * f, d, f], float)
+    scaled = (
+        m.encoder_layers * basis @ _fit(EncoderLayer)
+        + m.decoder_layers * basis @ _fit(DecoderLayer)
+        + m.vocab_size * d
+    )
+    planned = total_params(m)
+    assert abs(planned - scaled) <= 0.01 * scaled
+    assert abs(planned - PAPER_1000L_PARAMS) <= 0.05 * PAPER_1000L_PARAMS
+    assert f"total parameters: {planned / 1e9:.2f}B" == "total parameters: 3.71B"
+
+
+def test_stage_params_sum_to_the_model_plus_tied_copies():
+    cfg = load_config("opus100_1000L")
+    plan = plan_run(cfg, gpus=32, gpu_memory=40 * GB)
+    m = plan.model
+    copies = sum(1 for s in plan.stage_plans if s.stage in (0, plan.stages - 1)) - 1
+    middle = [s for s in plan.stage_plans if 0 < s.stage < plan.stages - 1]
+    copies += sum(1 for s in middle if s.encoder_layers and s.decoder_layers)  # dec_embed
+    assert sum(s.params for s in plan.stage_plans) == total_params(m) + copies * 64000 * 512
+    assert sum(s.encoder_layers for s in plan.stage_plans) == 500
+    assert sum(s.decoder_layers for s in plan.stage_plans) == 500
+
+
+def test_bubble_and_fit_verdicts():
+    cfg = load_config("opus100_1000L")
+    a100 = plan_run(cfg, gpus=32, gpu_memory=parse_memory("40GB"))
+    assert (a100.stages, a100.dp) == (16, 2)
+    assert a100.bubble == pytest.approx(15 / 47)
+    assert a100.fits() and not a100.fits(checkpointing=False)
+    # ZeRO-1 halves the optimizer state when data parallelism doubles
+    h100 = plan_run(cfg, gpus=8, gpu_memory=parse_memory("80GB"), stages=8)
+    assert h100.bubble == pytest.approx(7 / 39)
+    s16 = plan_run(cfg, gpus=16, gpu_memory=80 * GB, stages=8)
+    ratio = s16.stage_plans[3].optimizer / h100.stage_plans[3].optimizer
+    assert ratio == pytest.approx(0.5)
+    assert plan_run(cfg, gpus=8, gpu_memory=8 * GB, stages=8).fits() is False
+    assert auto_stages(cfg, 8, 80 * GB).fits()
+    with pytest.raises(ConfigError, match="pipeline.stages"):
+        plan_run(cfg, gpus=12, gpu_memory=80 * GB, stages=8)
+
+
+def test_cli_prints_the_table_and_total(tmp_path):
+    tool = str(ROOT / "tools" / "plan_memory.py")
+    proc = subprocess.run(
+        [sys.executable, tool, "--config", "opus100_1000L", "--gpus", "32", "--gpu-memory", "40GB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "total parameters: 3.71B" in proc.stdout
+    assert "| 15 |" in proc.stdout and "pipeline bubble" in proc.stdout
+    plan = plan_run(load_config("opus100_1000L"), 32, 40 * GB, config_name="opus100_1000L")
+    assert format_plan(plan) == proc.stdout.strip()
+    bad = subprocess.run(
+        [sys.executable, tool, "--config", "opus100_1000L", "--gpus", "12"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "pipeline.stages" in bad.stderr
+    small_gpu = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "--config",
+            "opus100_1000L",
+            "--gpus",
+            "8",
+            "--gpu-memory",
+            "8GB",
+            "--stages",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert small_gpu.returncode == 1 and "does NOT fit" in small_gpu.stdout
