@@ -41,7 +41,11 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(tag_dir: Path, step: int) -> None:
     """Checksums of every file in ``tag_dir`` (rank 0, after all ranks saved)."""
-    files = sorted(p for p in tag_dir.iterdir() if p.is_file() and p.name != MANIFEST)
+    files = sorted(
+        p
+        for p in tag_dir.iterdir()
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")  # .tmp leftovers
+    )
     manifest = {
         "step": step,
         "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
@@ -79,6 +83,49 @@ def read_latest(save_dir: Path) -> str | None:
     if not tag or not (save_dir / tag).is_dir():
         raise CheckpointError(f"{latest}: names {tag!r}, which is not a checkpoint directory")
     return tag
+
+
+def tag_step(tag: str) -> int | None:
+    """N of ``global_stepN``; None for any other name."""
+    digits = tag.removeprefix("global_step")
+    return int(digits) if tag.startswith("global_step") and digits.isdigit() else None
+
+
+def checkpoint_tags(save_dir: Path) -> tuple[list[str], list[str]]:
+    """(complete, incomplete) tags in ``save_dir``, each sorted by step: complete ones have
+    their manifest (written only after every rank finished saving)."""
+    found = []
+    if save_dir.is_dir():
+        for p in save_dir.iterdir():
+            step = tag_step(p.name)
+            if p.is_dir() and step is not None:
+                found.append((step, p.name, (p / MANIFEST).is_file()))
+    found.sort()
+    return [t for _, t, ok in found if ok], [t for _, t, ok in found if not ok]
+
+
+def resume_tag(save_dir: Path) -> tuple[str | None, list[str]]:
+    """The checkpoint a run in ``save_dir`` resumes from, with warnings to print.
+
+    ``latest`` names it; a save killed after its manifest but before ``latest`` moved leaves
+    a newer complete checkpoint, which is taken instead (with a warning). A ``latest`` that
+    is unreadable or names no directory is an error (:func:`read_latest`), never a fresh
+    start; incomplete checkpoints (killed saves) are never loaded.
+    """
+    tag = read_latest(save_dir)
+    complete, incomplete = checkpoint_tags(save_dir)
+    notes = [f"ignoring incomplete checkpoint {save_dir / t} (no {MANIFEST})" for t in incomplete]
+    if tag is None:
+        return None, notes
+    step = tag_step(tag)
+    newer = [t for t in complete if step is not None and tag_step(t) > step]
+    if newer:
+        notes.append(
+            f"{save_dir / 'latest'} names {tag} but {newer[-1]} is complete (a save stopped "
+            f"before moving latest): resuming from {newer[-1]}"
+        )
+        tag = newer[-1]
+    return tag, notes
 
 
 def verify_checkpoint(tag_dir: Path) -> dict:

@@ -138,6 +138,12 @@ class TrainConfig:
     """Log a metrics line every k updates."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
     """DeepSpeed JSON: precision and ZeRO stage live there (ds_configs/README.md)."""
+    max_consecutive_skips: int = 5
+    """fp32: stop (exit 3, no save) after this many consecutive updates skipped for a
+    non-finite gradient norm."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective: a rank that stops answering (hung, not dead: a dead
+    peer's closed socket fails at once) makes the others fail after this many seconds."""
 
 
 @dataclass
@@ -432,3 +438,13 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
     _check(t.log_interval >= 1, "train.log_interval", f"must be >= 1, got {t.log_interval}")
     _check(bool(t.deepspeed_config), "train.deepspeed_config", "must name a DeepSpeed JSON")
+    _check(
+        t.max_consecutive_skips >= 1,
+        "train.max_consecutive_skips",
+        f"must be >= 1, got {t.max_consecutive_skips}",
+    )
+    _check(
+        t.collective_timeout_s > 0,
+        "train.collective_timeout_s",
+        f"must be > 0, got {t.collective_timeout_s}",
+    )

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import math
 import os
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -45,6 +47,22 @@ logger = logging.getLogger("megatron_branchnorm")
 
 REQUEUE_EXIT_CODE = 75
 """Exit code after a signal-triggered checkpoint (EX_TEMPFAIL): job scripts requeue on it."""
+NONFINITE_EXIT_CODE = 3
+"""Exit code after train.max_consecutive_skips consecutive non-finite updates (no save)."""
+FAULT_ENV = "MBN_FAULT_INJECT"
+"""Test-only fault injection, read once when a Trainer is built (tests/faults, docs/reliability.md).
+
+Comma-separated items:
+``nan_loss@T[xN]``: the loss of update T is NaN (its first N attempts; default 1);
+``inf_grad@T[xN][:stageS]``: one gradient element on stage S (default the last) is +inf;
+``save_exit@POINT[:rankR][:stepN]``: rank R (default 0) calls ``os._exit(FAULT_EXIT_CODE)``
+at POINT of the save at step N (default the first save); POINT is one of SAVE_POINTS;
+``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run).
+"""
+FAULT_EXIT_CODE = 86
+SAVE_POINTS = ("engine_file", "after_engine", "after_rng", "after_config", "after_manifest")
+"""Where a save can be cut: after DeepSpeed's first file of this rank, after DeepSpeed's
+save, after the RNG file, after train_config.json, after the manifest (``latest`` not moved)."""
 
 ARCH_KEYS = (
     "encoder_layers",
@@ -157,17 +175,72 @@ def inverse_sqrt_factor(cfg: ExperimentConfig):
 
 class AdamW(torch.optim.AdamW):
     """AdamW that records the global gradient norm for logging in fp32 mode (DeepSpeed's
-    bf16/fp16 optimizers compute their own)."""
+    bf16/fp16 optimizers compute their own) and skips an update whose norm is not finite.
+
+    A skip leaves parameters and moments untouched and sets ``overflow``, which DeepSpeed's
+    ``_take_model_step`` reads: the LR scheduler is not stepped and ``was_step_applied()`` is
+    False, on every stage (the norm is reduced over all stages, so they agree).
+    ``locate_fn`` names the first module with a non-finite gradient, as (stage, name).
+    """
 
     norm_fn = None
+    locate_fn = None
     pending_norm: float | None = None
     _global_grad_norm: float | None = None
+    overflow = False
+    nonfinite_at: tuple[int, str] | None = None
 
     def step(self, closure=None):
+        self.overflow, self.nonfinite_at = False, None
         if self.norm_fn is not None:
             norm = self.pending_norm if self.pending_norm is not None else self.norm_fn()
             self._global_grad_norm, self.pending_norm = norm, None
+            if not math.isfinite(norm):
+                self.overflow = True
+                self.nonfinite_at = self.locate_fn() if self.locate_fn is not None else None
+                self.zero_grad(set_to_none=True)
+                return None
         return super().step(closure)
+
+
+def first_nonfinite_grad(module: torch.nn.Module, names: dict[int, str]) -> tuple[int, str] | None:
+    """(layer-list index, flat module name) of this stage's first parameter whose gradient
+    has a non-finite value, in layer order; None when all are finite."""
+    found = []
+    for key, p in module.named_parameters():
+        if p.grad is None or bool(torch.isfinite(p.grad).all()):
+            continue
+        if key.startswith("tied_modules.embed."):
+            found.append((0, "embedding"))
+        else:
+            idx, local = key.split(".", 1)
+            found.append((int(idx), pipe_to_flat_key(names[int(idx)], local).rsplit(".", 1)[0]))
+    return min(found) if found else None
+
+
+def parse_faults(spec: str) -> dict:
+    """The fault items of :data:`FAULT_ENV` (see there); unknown items are errors."""
+    faults: dict = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        kind, _, rest = item.partition("@")
+        fields = rest.split(":")
+        if kind in ("nan_loss", "inf_grad"):
+            at, _, times = fields[0].partition("x")
+            entry = {"step": int(at), "times": int(times or 1), "stage": None}
+            for f in fields[1:]:
+                entry["stage"] = int(f.removeprefix("stage"))
+            faults[kind] = entry
+        elif kind == "save_exit" and fields[0] in SAVE_POINTS:
+            entry = {"point": fields[0], "rank": 0, "step": None}
+            for f in fields[1:]:
+                key = "rank" if f.startswith("rank") else "step"
+                entry[key] = int(f.removeprefix(key))
+            faults[kind] = entry
+        elif kind == "slow":
+            faults[kind] = float(rest)
+        else:
+            raise ConfigError(f"{FAULT_ENV}: cannot parse {item!r}")
+    return faults
 
 
 def pipeline_grad_norm(module: torch.nn.Module, group) -> float:
@@ -250,9 +323,13 @@ class Trainer:
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
         self.stop_signal = 0
+        self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
+        self.injected: dict[str, int] = {}
+        self._pending_inf = False
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         self.rank = dist.get_rank()
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
@@ -290,6 +367,8 @@ class Trainer:
         self.train_iter = iter(self.train_batches)
         self.step = 0
         self.samples = 0
+        self.skipped = 0
+        self.ids_hash = ""
         self.is_logger = self.rank == 0
         self.tb = None
 
@@ -298,19 +377,67 @@ class Trainer:
     def _install_fp32_grad_norm(self) -> None:
         group = self.engine.grid.get_model_parallel_group()  # all stages of one replica
         module, opt, engine = self.module, self.optimizer, self.engine
-        opt.norm_fn = lambda: pipeline_grad_norm(module, group)
+        names = spec_names(self.cfg.model)
+
+        def norm_fn() -> float:
+            self._maybe_inject_inf_grad()
+            return pipeline_grad_norm(module, group)
+
+        def locate() -> tuple[int, str] | None:
+            mine = first_nonfinite_grad(module, names)
+            found = [None] * dist.get_world_size(group)
+            dist.all_gather_object(found, mine and (mine[0], mine[1], self.stage_id), group=group)
+            found = [f for f in found if f is not None]
+            return (min(found)[2], min(found)[1]) if found else None
+
+        opt.norm_fn, opt.locate_fn = norm_fn, locate
 
         def clip() -> None:
             # DeepSpeed's own fp32 clip counts only stage 0's gradients in a pipeline.
-            norm = pipeline_grad_norm(module, group)
+            norm = norm_fn()
             opt.pending_norm = norm
             coef = engine.gradient_clipping() / (norm + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and math.isfinite(norm):
                 for p in module.parameters():
                     if p.grad is not None:
                         p.grad.detach().mul_(coef)
 
         engine.clip_fp32_gradients = clip
+
+    # ---- test-only fault injection (FAULT_ENV) -------------------------------------------------
+
+    def _fault_due(self, kind: str) -> bool:
+        """Whether fault ``kind`` fires for the update in progress (t = step + 1)."""
+        f = self.faults.get(kind)
+        if f is None or f["step"] != self.step + 1 or self.injected.get(kind, 0) >= f["times"]:
+            return False
+        self.injected[kind] = self.injected.get(kind, 0) + 1
+        return True
+
+    def _maybe_inject_inf_grad(self) -> None:
+        f = self.faults.get("inf_grad")
+        if f is None or not self._pending_inf:
+            return
+        self._pending_inf = False
+        stage = self.engine.num_stages - 1 if f["stage"] is None else f["stage"]
+        if self.stage_id == stage:
+            # not a replicated tied copy: the norm counts the tied weight on its first stage
+            p = next(
+                p
+                for p in self.module.parameters()
+                if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+            )
+            p.grad.view(-1)[0] = float("inf")
+
+    def _maybe_exit_in_save(self, point: str) -> None:
+        f = self.faults.get("save_exit")
+        if f is None or f["point"] != point or f["rank"] != self.rank:
+            return
+        if f["step"] is None or f["step"] == self.step:
+            print(
+                f"fault injection: exiting at {point} of the save at step {self.step}", flush=True
+            )
+            os._exit(FAULT_EXIT_CODE)
 
     # ---- logging -----------------------------------------------------------------------------
 
@@ -347,6 +474,8 @@ class Trainer:
         ntokens = sum(int(b["ntokens"]) for b in batches)
         all_tokens = ntokens + sum(_src_tokens(b) for b in batches)
         self.samples += sum(int(b["src_tokens"].shape[0]) for b in batches)
+        ids = torch.cat([b["ids"].reshape(-1).long() for b in batches if "ids" in b] or [])
+        self.ids_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] if len(ids) else ""
         mine = batches[self.dp_id * gas : (self.dp_id + 1) * gas]
         return mine, ntokens, all_tokens
 
@@ -410,23 +539,48 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
         t0 = time.time()
+        if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
+            shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
+        dist.barrier()
+        if "save_exit" in self.faults:
+            self._wrap_checkpoint_engine()
         self.engine.save_checkpoint(
             str(self.save_dir), tag=tag, client_state=client, save_latest=False
         )
+        self._maybe_exit_in_save("after_engine")
         torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
+        self._maybe_exit_in_save("after_rng")
         dist.barrier()
         if self.rank == 0:
             (tag_dir / "train_config.json").write_text(
                 json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
             )
+            self._maybe_exit_in_save("after_config")
             ckpt.write_manifest(tag_dir, self.step)
+            self._maybe_exit_in_save("after_manifest")
             ckpt.write_latest(self.save_dir, tag)
         dist.barrier()
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
 
+    def _wrap_checkpoint_engine(self) -> None:
+        engine = self.engine.checkpoint_engine
+        if getattr(engine, "_fault_wrapped", False):
+            return
+        save = engine.save
+
+        def save_then_maybe_exit(*args, **kwargs):
+            out = save(*args, **kwargs)
+            self._maybe_exit_in_save("engine_file")
+            return out
+
+        engine.save, engine._fault_wrapped = save_then_maybe_exit, True
+
     def maybe_resume(self) -> None:
-        """Resume from ``save_dir/latest`` if present (verified against its checksums)."""
-        tag = ckpt.read_latest(self.save_dir)
+        """Resume from the newest complete checkpoint (``latest``, or a complete one newer than
+        it), verified against its checksums; an unreadable ``latest`` is an error."""
+        tag, notes = ckpt.resume_tag(self.save_dir)
+        for note in notes:
+            self.log(f"warning: {note}")
         if tag is None:
             return
         tag_dir = self.save_dir / tag
@@ -525,12 +679,18 @@ class Trainer:
         start_time = time.time()
         last_log_time, interval_tokens = time.time(), 0
         exit_code = 0
+        consecutive = 0
         while self.step < cfg.train.max_steps:
             t = self.step + 1
+            if "slow" in self.faults:
+                time.sleep(self.faults["slow"])
             alpha = set_pipeline_step(self.module, cfg.model, t)
             mine, ntokens, all_tokens = self._next_update()
             self.loss_fn.reset()
             self.loss_fn.scale = cfg.train.micro_batches * self.dp / max(ntokens, 1)
+            if self._fault_due("nan_loss"):
+                self.loss_fn.scale = float("nan")
+            self._pending_inf = self._fault_due("inf_grad")
             lr = self.optimizer.param_groups[0]["lr"]
             self.engine.train_batch(data_iter=self._as_engine_items(mine))
             loss_sum, nll_sum, count = self._reduce_loss_sums()
@@ -538,6 +698,13 @@ class Trainer:
             if applied:
                 self.step += 1
                 interval_tokens += all_tokens
+                consecutive = 0
+            else:
+                self.skipped += 1
+                consecutive += 1
+                if self._on_skip(t, consecutive):
+                    exit_code = NONFINITE_EXIT_CODE
+                    break
             if applied and (
                 self.step % cfg.train.log_interval == 0 or self.step == cfg.train.max_steps
             ):
@@ -557,6 +724,8 @@ class Trainer:
                     else float(getattr(self.engine.optimizer, "cur_scale", 1.0)),
                     "tokens_per_sec": interval_tokens / max(now - last_log_time, 1e-9),
                     "samples": self.samples,
+                    "ids_hash": self.ids_hash,
+                    "skipped_steps": self.skipped,
                     "memory_mb": self._memory_mb(),
                     "elapsed_s": now - start_time,
                 }
@@ -592,6 +761,40 @@ class Trainer:
             self.tb.close()
         dist.barrier()
         return exit_code
+
+    def _on_skip(self, t: int, consecutive: int) -> bool:
+        """Log a skipped update (metrics record and console); True when the run must stop."""
+        where = getattr(self.optimizer, "nonfinite_at", None) if self.fp32 else None
+        stage, module = where if where else (None, None)
+        self._write_metrics(
+            {
+                "step": self.step,
+                "skipped": True,
+                "update": t,
+                "consecutive_skips": consecutive,
+                "skipped_steps": self.skipped,
+                "first_nonfinite_stage": stage,
+                "first_nonfinite_module": module,
+                "ids_hash": self.ids_hash,
+            }
+        )
+        what = f"first non-finite gradient in {module} (stage {stage})" if where else "overflow"
+        self.log(
+            f"update {t} skipped at step {self.step}: non-finite gradient norm; {what}; "
+            f"{consecutive} consecutive, {self.skipped} in total"
+        )
+        limit = self.cfg.train.max_consecutive_skips
+        if not self.fp32 or consecutive < limit:
+            return False  # fp16: DeepSpeed's loss scaler lowers the scale and retries
+        latest = ckpt.read_latest(self.save_dir)
+        msg = (
+            f"error: stopping: {consecutive} consecutive updates with a non-finite gradient norm "
+            f"(train.max_consecutive_skips={limit}) at step {self.step}; {what}; the last good "
+            f"checkpoint is {self.save_dir / latest if latest else 'none'}"
+        )
+        if self.is_logger:
+            print(msg, file=sys.stderr, flush=True)
+        return True
 
     @staticmethod
     def _memory_mb() -> float:

@@ -1,0 +1,134 @@
+"""Shared pieces of the fault suite and of tools/fault_sweep.py: the reference configuration,
+a 2-rank launcher that can inject faults, metrics and parameter-hash readers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_branchnorm.inference.convert import LAYER_FILE
+from tests.pipeline.conftest import ROOT, free_port, rank_env
+
+TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
+STEPS = 12
+"""Length of the reference run; checkpoints every 4 (reference) or 2 (fault runs) updates."""
+BASE = [
+    "pipeline.stages=2",
+    "model.encoder_layers=2",
+    "model.decoder_layers=2",
+    "model.dropout=0.1",
+    "pipeline.activation_checkpoint_interval=1",
+    "train.log_interval=1",
+    "train.eval_interval=0",
+    "train.collective_timeout_s=60",
+]
+"""A tiny deep-ish BranchNorm model with dropout and activation checkpointing on 2 stages."""
+COMPARED = ("loss", "nll_loss", "lr", "alpha", "grad_norm", "ids_hash")
+
+
+def launch(
+    save_dir: Path, overrides: list[str], log_dir: Path, fault: str = "", world: int = 2
+) -> list[subprocess.Popen]:
+    """Start ``world`` train.py ranks (as srun would) with BASE + overrides; ``fault`` goes
+    to MBN_FAULT_INJECT."""
+    port = free_port()
+    procs = []
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for r in range(world):
+        env = rank_env(r, world, port)
+        env.pop("MBN_FAULT_INJECT", None)
+        if fault:
+            env["MBN_FAULT_INJECT"] = fault
+        log = open(log_dir / f"rank{r}.log", "a")
+        args = [TRAIN, "--config", "tiny_cpu", *BASE, f"train.save_dir={save_dir}", *overrides]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    """Exit codes; ranks still alive after ``timeout`` are killed (code None is never returned)."""
+    deadline = time.time() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def records(save_dir: Path) -> list[dict]:
+    """Every metrics.jsonl row with a loss (applied updates), in file order."""
+    path = save_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r]
+
+
+def last_by_step(save_dir: Path) -> dict[int, dict]:
+    """The last record of each step (a resumed run re-does steps after its checkpoint)."""
+    return {r["step"]: r for r in records(save_dir)}
+
+
+def kill_hard_when(
+    procs: list[subprocess.Popen], save_dir: Path, victim: int, min_rows: int, timeout: float = 240
+) -> tuple[float, list[int]]:
+    """SIGKILL rank ``victim`` once metrics.jsonl has ``min_rows`` rows; returns (seconds until
+    every other rank exited, exit codes)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(records(save_dir)) < min_rows:
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    t0 = time.time()
+    codes = wait_all(procs, timeout=180)
+    return time.time() - t0, codes
+
+
+def param_hash(tag_dir: Path) -> str:
+    """SHA-256 over every tensor of a checkpoint's layer files (index order, sorted keys)."""
+    digest = hashlib.sha256()
+    files = sorted(
+        (int(m.group(1)), p) for p in tag_dir.iterdir() if (m := LAYER_FILE.match(p.name))
+    )
+    for idx, path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        for key in sorted(state):
+            digest.update(f"{idx}.{key}".encode())
+            digest.update(state[key].detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def max_difference(run: Path, ref: Path, steps: range) -> dict[str, float]:
+    """Largest |run - ref| per compared field over ``steps`` (ids_hash: count of mismatches)."""
+    a, b = last_by_step(run), last_by_step(ref)
+    out = {k: 0.0 for k in COMPARED}
+    for s in steps:
+        for k in COMPARED:
+            if k == "ids_hash":
+                out[k] += float(a[s][k] != b[s][k])
+            else:
+                out[k] = max(out[k], abs(a[s][k] - b[s][k]))
+    return out
+
+
+def kill_tree(procs: list[subprocess.Popen]) -> None:
+    """Kill ranks still running (after a failed check)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,90 @@
+"""Session fixtures of the fault suite: each starts its gloo ranks once and many tests read
+the result (DESIGN.md §10: one shared harness, fault suite <= 6 minutes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_branchnorm import checkpoint as ckpt
+from tests.faults.common import STEPS, kill_hard_when, launch, records, wait_all
+from tests.pipeline.conftest import ROOT, launch_ranks
+
+
+def _fail(codes, log_dir: Path, what: str) -> None:
+    logs = "".join(p.read_text()[-2500:] for p in sorted(log_dir.glob("rank*.log")))
+    pytest.fail(f"{what}: ranks exited {codes}:\n{logs}")
+
+
+@pytest.fixture(scope="session")
+def fault_harness(tmp_path_factory) -> Path:
+    """tests/faults/harness.py on 2 ranks: ref, resume, skip and stop runs."""
+    out = tmp_path_factory.mktemp("faults_harness")
+    procs = launch_ranks([str(ROOT / "tests/faults/harness.py"), str(out)], 2, out)
+    codes = wait_all(procs, timeout=600)
+    if codes != [0, 0]:
+        _fail(codes, out, "fault harness")
+    return out
+
+
+SAVE_KILLS = {
+    # point: (rank that exits, checkpoint a restart must load)
+    "engine_file": (1, "global_step2"),
+    "after_rng": (0, "global_step2"),
+    "after_manifest": (0, "global_step4"),
+}
+RESTARTED = ("engine_file", "after_manifest")
+
+
+@pytest.fixture(scope="session")
+def save_kills(tmp_path_factory) -> dict:
+    """A run per kill point, cut inside the save at step 4 (checkpoints every 2 updates);
+    two of them restarted to the end. Returns {point: {dir, codes, seconds, restart_codes}}."""
+    base = tmp_path_factory.mktemp("save_kills")
+    result = {}
+    for point, (rank, _) in SAVE_KILLS.items():
+        run = base / point
+        t0 = time.time()
+        procs = launch(
+            run,
+            [f"train.max_steps={STEPS}", "train.save_interval=2"],
+            base / f"{point}_logs",
+            fault=f"save_exit@{point}:rank{rank}:step4",
+        )
+        codes = wait_all(procs, timeout=300)
+        result[point] = {"dir": run, "codes": codes, "seconds": time.time() - t0}
+        result[point]["resume_tag"] = ckpt.resume_tag(run)[0]
+    for point in RESTARTED:
+        run = result[point]["dir"]
+        procs = launch(run, [f"train.max_steps={STEPS}", "train.save_interval=2"], base / "r")
+        result[point]["restart_codes"] = wait_all(procs, timeout=300)
+        if result[point]["restart_codes"] != [0, 0]:
+            _fail(result[point]["restart_codes"], base / "r", f"restart after {point}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def hard_kills(tmp_path_factory) -> dict:
+    """kill -9 of the first stage, restart, kill -9 of the last stage, restart to the end.
+    Returns the seconds until the surviving rank exited and the exit codes."""
+    base = tmp_path_factory.mktemp("hard_kills")
+    run = base / "run"
+    overrides = [f"train.max_steps={STEPS}", "train.save_interval=2"]
+    out: dict = {"dir": run}
+    procs = launch(run, overrides, base / "l1", fault="slow@0.3")
+    out["first"] = kill_hard_when(procs, run, victim=0, min_rows=3)
+    rows = len(records(run))
+    procs = launch(run, overrides, base / "l2", fault="slow@0.3")
+    out["last"] = kill_hard_when(procs, run, victim=1, min_rows=rows + 3)
+    out["resumed_from"] = [
+        line for line in (base / "l2" / "rank0.log").read_text().splitlines() if "resumed" in line
+    ]
+    procs = launch(run, overrides, base / "l3")
+    out["final_codes"] = wait_all(procs, timeout=300)
+    if out["final_codes"] != [0, 0]:
+        _fail(out["final_codes"], base / "l3", "restart after kill -9")
+    (base / "hard_kills.json").write_text(json.dumps({k: str(v) for k, v in out.items()}))
+    return out

@@ -1,0 +1,229 @@
+"""Long fault-injection runs behind docs/reliability.md (the CI-sized suite is tests/faults).
+
+    python tools/fault_sweep.py --out runs/faults kill-points   # every save point x rank
+    python tools/fault_sweep.py --out runs/faults corruption    # every file x every damage
+    python tools/fault_sweep.py --out runs/faults soak --preemptions 10 --hard-kills 2
+    python tools/fault_sweep.py --out runs/faults hang          # SIGSTOP a rank: timeout bound
+
+Each mode starts 2 gloo ranks of train.py (tests/faults/common.py's BASE config: tiny 2-2
+BranchNorm, dropout 0.1, activation checkpointing, 2 stages), compares against one
+uninterrupted reference run, prints a table and writes OUT/<mode>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
+from megatron_branchnorm.trainer import SAVE_POINTS  # noqa: E402
+from tests.faults.common import (  # noqa: E402
+    kill_hard_when,
+    last_by_step,
+    launch,
+    max_difference,
+    param_hash,
+    records,
+    wait_all,
+)
+
+
+def reference(out: Path, steps: int) -> Path:
+    """The uninterrupted run (reused when present)."""
+    ref = out / "reference"
+    if not (ref / ckpt.tag_for(steps) / ckpt.MANIFEST).is_file():
+        shutil.rmtree(ref, ignore_errors=True)
+        codes = wait_all(launch(ref, [f"train.max_steps={steps}", "train.save_interval=0"], ref))
+        if codes != [0, 0]:
+            sys.exit(f"reference run failed: {codes}")
+    return ref
+
+
+def compare(run: Path, ref: Path, steps: int) -> dict:
+    """Per-field max difference over all steps, final-weights equality, steps present."""
+    got = last_by_step(run)
+    missing = [s for s in range(1, steps + 1) if s not in got]
+    diff = max_difference(run, ref, range(1, steps + 1)) if not missing else {}
+    tag = ckpt.tag_for(steps)
+    same = (run / tag).is_dir() and param_hash(run / tag) == param_hash(ref / tag)
+    return {"missing_steps": missing, "max_diff": diff, "final_params_equal": same}
+
+
+def kill_points(out: Path, steps: int) -> list[dict]:
+    """Cut the save at step 4 (checkpoints every 2) at each point on each rank; check which
+    checkpoint a restart takes; restart to the end and compare with the reference."""
+    ref = reference(out, steps)
+    rows = []
+    for point in SAVE_POINTS:
+        for rank in (0, 1):
+            if point in ("after_config", "after_manifest") and rank == 1:
+                continue  # rank 0 alone writes these
+            run = out / "kill_points" / f"{point}_rank{rank}"
+            shutil.rmtree(run, ignore_errors=True)
+            t0 = time.time()
+            over = [f"train.max_steps={steps}", "train.save_interval=2"]
+            codes = wait_all(launch(run, over, run, fault=f"save_exit@{point}:rank{rank}:step4"))
+            seconds = time.time() - t0
+            tag = ckpt.resume_tag(run)[0]
+            wait_all(launch(run, over, run))
+            rows.append(
+                {
+                    "point": point,
+                    "rank": rank,
+                    "exit_codes": codes,
+                    "run_seconds": round(seconds, 1),
+                    "resumed_from": tag,
+                    **compare(run, ref, steps),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def corruption(out: Path, steps: int) -> list[dict]:
+    """Every file of the last checkpoint (and latest) x truncate / bit flip / zero / delete."""
+    ref = reference(out, steps)
+    tag = ckpt.tag_for(steps)
+    damages = {
+        "truncate": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+        "bitflip": lambda p: p.write_bytes(_flip(p.read_bytes())),
+        "zero": lambda p: p.write_bytes(bytes(p.stat().st_size)),
+        "delete": lambda p: p.unlink(),
+    }
+    rows = []
+    names = sorted(p.name for p in (ref / tag).iterdir()) + ["../latest"]
+    for name in names:
+        for damage, fn in damages.items():
+            work = out / "corruption" / "work"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(ref, work)
+            fn((work / tag / name).resolve())
+            try:
+                t = ckpt.resume_tag(work)[0]
+                ckpt.verify_checkpoint(work / t)
+                outcome, named = "LOADED", False
+            except ckpt.CheckpointError as exc:
+                outcome, named = str(exc), Path(name).name in str(exc) or "checksums" in str(exc)
+            rows.append({"file": name, "damage": damage, "error": outcome, "names_file": named})
+    shutil.rmtree(out / "corruption" / "work", ignore_errors=True)
+    caught = sum(r["error"] != "LOADED" for r in rows)
+    print(f"corruption: {caught}/{len(rows)} refused, {sum(r['names_file'] for r in rows)} named")
+    return rows
+
+
+def _flip(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[len(b) // 3] ^= 0x10
+    return bytes(b)
+
+
+def soak(out: Path, steps: int, preemptions: int, hard_kills: int) -> dict:
+    """One run interrupted ``preemptions`` times by SIGUSR1/SIGTERM (to one rank or all) and
+    ``hard_kills`` times by SIGKILL of one rank, each relaunch resuming; then compared."""
+    ref = reference(out, steps)
+    run = out / "soak"
+    shutil.rmtree(run, ignore_errors=True)
+    over = [f"train.max_steps={steps}", "train.save_interval=3"]
+    events = ["usr1_all", "usr1_one", "term_one", "term_all"] * preemptions
+    plan = events[:preemptions] + ["kill9"] * hard_kills
+    plan = [plan[i] for i in sorted(range(len(plan)), key=lambda i: (i * 7) % len(plan))]
+    log, lost = [], 0
+    for k, event in enumerate(plan):
+        before = len(last_by_step(run))
+        procs = launch(run, over, run / "logs", fault="slow@0.2")
+        victim = k % 2
+        if event == "kill9":
+            seconds, codes = kill_hard_when(procs, run, victim, min_rows=len(records(run)) + 2)
+        else:
+            deadline = time.time() + 240
+            start_rows = len(records(run))
+            while len(records(run)) < start_rows + 2 and time.time() < deadline:
+                time.sleep(0.05)
+            sig = signal.SIGUSR1 if event.startswith("usr1") else signal.SIGTERM
+            targets = procs if event.endswith("all") else [procs[victim]]
+            t0 = time.time()
+            for p in targets:
+                os.kill(p.pid, sig)
+            codes = wait_all(procs, timeout=240)
+            seconds = time.time() - t0
+        latest = ckpt.resume_tag(run)[0]
+        saved = ckpt.tag_step(latest) if latest else 0
+        done = max(last_by_step(run), default=0)
+        lost += done - saved  # updates redone after the restart
+        log.append(
+            {
+                "event": event,
+                "codes": codes,
+                "exit_s": round(seconds, 2),
+                "steps_lost": done - saved,
+            }
+        )
+        print(log[-1], before, flush=True)
+    codes = wait_all(launch(run, over, run / "logs"))
+    result = {"events": log, "final_codes": codes, "steps_redone": lost, **compare(run, ref, steps)}
+    ids = [r["ids_hash"] for _, r in sorted(last_by_step(run).items())]
+    ref_ids = [r["ids_hash"] for _, r in sorted(last_by_step(ref).items())]
+    result["ids_hash_mismatches"] = sum(a != b for a, b in zip(ids, ref_ids, strict=False))
+    return result
+
+
+def hang(out: Path, timeout_s: float) -> dict:
+    """SIGSTOP one rank (alive, not answering): the other must fail after the collective
+    timeout (train.collective_timeout_s)."""
+    run = out / "hang"
+    shutil.rmtree(run, ignore_errors=True)
+    procs = launch(
+        run,
+        [
+            "train.max_steps=100000",
+            "train.save_interval=0",
+            f"train.collective_timeout_s={timeout_s}",
+        ],
+        run,
+        fault="slow@0.2",
+    )
+    while len(records(run)) < 3:
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        code = procs[0].wait(timeout=timeout_s * 4 + 120)
+    finally:
+        os.kill(procs[1].pid, signal.SIGKILL)
+    return {"timeout_s": timeout_s, "survivor_exit_s": round(time.time() - t0, 1), "code": code}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run one mode, write OUT/<mode>.json."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["kill-points", "corruption", "soak", "hang"])
+    parser.add_argument("--out", type=Path, default=Path("runs/faults"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--preemptions", type=int, default=10)
+    parser.add_argument("--hard-kills", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=30.0, help="hang: collective timeout")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "kill-points":
+        result = kill_points(args.out, args.steps)
+    elif args.mode == "corruption":
+        result = corruption(args.out, args.steps)
+    elif args.mode == "soak":
+        result = soak(args.out, max(args.steps, 40), args.preemptions, args.hard_kills)
+    else:
+        result = hang(args.out, args.timeout)
+    (args.out / f"{args.mode}.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, indent=1, default=str)[-3000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
