@@ -26,5 +26,16 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(PY) -m ruff format megatron_branchnorm tools tests
 
+# make demo LANGS=de,fr MINUTES=15 LAYERS=24 (N or N-M; empty: the config's) OUT=runs/demo
+LANGS ?= de,fr
+CONFIG ?= demo_cpu
+LAYERS ?=
+MINUTES ?= 15
+OUT ?= runs/demo
+.PHONY: demo
+demo: $(VENV)/.installed
+	$(PY) tools/run_demo.py --out $(OUT) --langs $(LANGS) --config $(CONFIG) --minutes $(MINUTES) \
+		$(if $(LAYERS),--layers $(LAYERS))
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,707 @@
+"""The main job end to end on the built-in corpus (``make demo``; docs/demo.md).
+
+    corpus (tools/build_locale_corpus.py) -> preprocess (tools/preprocess_data.py)
+      -> train, 2-stage DeepSpeed pipeline on 2 CPU ranks, in two legs of one run: the first
+         ends at ``early_fraction`` of the time budget with a checkpoint (the "early" model),
+         the second resumes it exactly and ends at the budget (the "final" model)
+      -> convert both checkpoints (tools/convert_checkpoint.py)
+      -> evaluate both with beam search and sacreBLEU, next to copy-the-source
+      -> plots (tools/plot_training.py) and OUT/report.md
+
+Every long step shows a status line with the elapsed time and an estimate of the time left;
+each step's output goes to OUT/logs/<step>.log. The corpus and the preprocessed data are reused
+when OUT already holds them for the same languages and vocabulary; training starts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from megatron_branchnorm.plotting import PlotError, read_metrics, series
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+
+# Typical durations on a 2-core CPU (seconds), used for the ETA before a step reports progress.
+EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}
+
+
+class DemoError(RuntimeError):
+    """A demo step failed: a one-line message naming the step and its log."""
+
+
+@dataclass
+class DemoOptions:
+    """What ``tools/run_demo.py`` passes in (its flags, one for one)."""
+
+    out: Path = Path("runs/demo")
+    """Output directory: corpus/, data/, train/, export/, eval/, plots/, logs/, report.md."""
+    langs: str = "de,fr"
+    """Languages paired with English (both directions of each are trained and evaluated)."""
+    config: str = "demo_cpu"
+    """Training config (shipped name or YAML path)."""
+    minutes: float = 15.0
+    """Training time budget (wall clock, both legs together, launches excluded)."""
+    early_fraction: float = 0.2
+    """Share of the budget after which the early checkpoint is taken."""
+    layers: str | None = None
+    """Depth: N (N encoder + N decoder layers) or N-M; None keeps the config's depth."""
+    vocab_size: int = 4000
+    """Joint SentencePiece vocabulary of the preprocessed data."""
+    eval_sentences: int = 200
+    """Test sentences per direction (the first ones of each test set)."""
+    beam: int = 4
+    """Beam size of the evaluation."""
+    ranks: int = 2
+    """CPU ranks = pipeline stages."""
+    corpus: Path | None = None
+    """Use this OPUS-100-layout corpus instead of building the built-in one."""
+    overrides: list[str] = field(default_factory=list)
+    """Extra ``section.key=value`` training overrides."""
+
+
+# --------------------------------------------------------------------------------------------
+# Status line
+# --------------------------------------------------------------------------------------------
+
+
+def fmt_time(seconds: float) -> str:
+    """``mm:ss`` (or ``h:mm:ss``) of a non-negative duration."""
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class Status:
+    """One live status line per step: elapsed, estimated time left, a detail string.
+
+    On a terminal the line is redrawn in place; otherwise a line is printed every
+    ``every_s`` seconds (logs stay short).
+    """
+
+    def __init__(self, stream: Any = None, every_s: float = 30.0) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.demo_start = time.time()
+        self._last_print = 0.0
+        self._width = 0
+
+    def update(self, label: str, start: float, left_s: float | None, detail: str = "") -> None:
+        """Show ``label``'s progress; ``left_s`` None means unknown."""
+        now = time.time()
+        eta = "?" if left_s is None else f"~{fmt_time(left_s)}"
+        line = f"{label}: {fmt_time(now - start)} elapsed, {eta} left"
+        if detail:
+            line += f" | {detail}"
+        if self.tty:
+            pad = max(0, self._width - len(line))
+            self.stream.write("\r" + line + " " * pad)
+            self.stream.flush()
+            self._width = len(line)
+        elif now - self._last_print >= self.every_s:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._last_print = now
+
+    def done(self, label: str, start: float, detail: str = "") -> None:
+        """Close ``label``'s line with its duration."""
+        line = f"{label}: done in {fmt_time(time.time() - start)}"
+        if detail:
+            line += f" | {detail}"
+        if self.tty:
+            line += " " * max(0, self._width - len(line))
+            self.stream.write("\r")
+        self.stream.write(line + "\n")
+        self.stream.flush()
+        self._width = 0
+        self._last_print = 0.0
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
+    """SIGTERM ``proc``'s process group (ranks checkpoint and exit), SIGKILL it after grace."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_logged(
+    cmd: list[str],
+    log: Path,
+    label: str,
+    status: Status,
+    expected_s: float,
+    detail: Callable[[], tuple[float | None, str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> float:
+    """Run ``cmd`` with its output in ``log``, showing a status line; returns the seconds taken.
+
+    ``detail()`` may give (seconds left, text) while the command runs; without it the time left
+    is ``expected_s`` minus the elapsed time.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        # Own process group: an interrupt stops the launcher *and* the ranks it started.
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        try:
+            while proc.poll() is None:
+                left, text = detail() if detail else (None, "")
+                if left is None:
+                    left = max(0.0, expected_s - (time.time() - start))
+                status.update(label, start, left, text)
+                time.sleep(1.0)
+        except BaseException:
+            stop_group(proc)
+            raise
+    if proc.returncode != 0:
+        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        sys.stderr.write("\n" + "\n".join("  | " + line for line in tail) + "\n")
+        raise DemoError(f"{label} failed (exit {proc.returncode}); full log: {log}")
+    status.done(label, start)
+    return time.time() - start
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------
+
+
+def parse_layers(layers: str | None) -> list[str]:
+    """Overrides for ``"N"`` or ``"N-M"`` (encoder-decoder depth)."""
+    if not layers:
+        return []
+    parts = layers.split("-")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise DemoError(f"--layers {layers!r}: expected N or N-M with positive integers")
+    enc, dec = parts[0], parts[-1]
+    return [f"model.encoder_layers={enc}", f"model.decoder_layers={dec}"]
+
+
+def data_matches(data_dir: Path, langs: list[str], vocab_size: int) -> bool:
+    """Whether ``data_dir`` is a complete preprocessed DATA_DIR for these settings."""
+    manifest = data_dir / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        m = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    wanted = sorted({*langs, m.get("pivot", "en")})
+    return m.get("languages") == wanted and m.get("vocab_size") == vocab_size
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now (for the ranks' rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def latest_tag(save_dir: Path) -> str:
+    """The tag in ``save_dir/latest`` (the checkpoint a leg ended with)."""
+    path = save_dir / "latest"
+    if not path.is_file():
+        raise DemoError(f"{path}: missing after training")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def copy_source_scores(data_dir: Path, max_sentences: int) -> dict[str, Any]:
+    """The evaluation report of the identity "translation" (the source as hypothesis)."""
+    from megatron_branchnorm.inference.evaluate import (
+        _read,
+        averages,
+        pivot_language,
+        references_from_manifest,
+        score_direction,
+    )
+
+    results = {}
+    for name, d in references_from_manifest(data_dir, "test").items():
+        src, ref = _read(d.src_path)[:max_sentences], _read(d.ref_path)[:max_sentences]
+        results[name] = score_direction(src, ref, d.tgt_lang)
+    return {"directions": results, "averages": averages(results, pivot_language(data_dir))}
+
+
+def evaluate_export(
+    export: Path,
+    data_dir: Path,
+    out_json: Path,
+    hyp_dir: Path,
+    opts: DemoOptions,
+    label: str,
+    status: Status,
+) -> dict[str, Any]:
+    """Beam-search every test direction (first ``eval_sentences``), score, write JSON."""
+    import torch
+
+    from megatron_branchnorm.inference.evaluate import (
+        evaluate,
+        pivot_language,
+        references_from_manifest,
+        select_directions,
+    )
+    from megatron_branchnorm.inference.translate import SearchOptions, Translator
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    directions = select_directions(references_from_manifest(data_dir, "test"), None)
+    translator = Translator.from_export(export)
+    start = time.time()
+    total = 0
+    for d in directions:
+        n = sum(1 for _ in open(d.src_path, encoding="utf-8", errors="replace"))
+        total += min(n, opts.eval_sentences)
+    done = [0]
+
+    def progress(name: str, n: int) -> Callable[[int], None]:
+        def step(k: int) -> None:
+            done[0] += k
+            elapsed = time.time() - start
+            left = elapsed / done[0] * (total - done[0]) if done[0] else None
+            status.update(label, start, left, f"{name} | {done[0]}/{total} sentences")
+
+        step(0)
+        return step
+
+    search = SearchOptions(beam=opts.beam)
+    report = evaluate(
+        translator,
+        directions,
+        search,
+        False,
+        hyp_dir,
+        opts.eval_sentences,
+        pivot_language(data_dir),
+        progress,
+    )
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    status.done(label, start, f"average BLEU {report['averages']['all']:.2f}")
+    return report
+
+
+@dataclass
+class DemoResult:
+    """What the report is made of."""
+
+    opts: DemoOptions
+    train_args: list[str]
+    tags: dict[str, str]
+    reports: dict[str, dict[str, Any]]
+    timings: dict[str, float]
+    plot: Path
+    rows: list[dict[str, Any]]
+
+
+def train_leg(
+    opts: DemoOptions, args: list[str], minutes: float, label: str, status: Status
+) -> float:
+    """One ``deepspeed --num_gpus R`` launch of the trainer for ``minutes`` of training."""
+    venv_bin = Path(sys.executable).parent
+    launcher = venv_bin / "deepspeed"
+    if not launcher.exists():
+        found = shutil.which("deepspeed")
+        if found is None:
+            raise DemoError("the deepspeed launcher is not installed (pip install deepspeed)")
+        launcher = Path(found)
+    env = dict(os.environ)
+    env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [
+        str(launcher),
+        "--num_gpus",
+        str(opts.ranks),
+        "--master_port",
+        str(free_port()),
+        "megatron_branchnorm/train.py",
+        *args,
+        f"train.max_time_minutes={minutes}",
+    ]
+    save_dir = opts.out / "train"
+    budget = minutes * 60.0
+    metrics = save_dir / "metrics.jsonl"
+    rows_before = len(read_metrics(save_dir)) if metrics.is_file() else 0
+    train_start: list[float] = []
+
+    def detail() -> tuple[float | None, str]:
+        try:
+            rows = read_metrics(save_dir)[rows_before:] if metrics.is_file() else []
+        except PlotError:  # a line being written
+            return None, "training"
+        steps, losses = series(rows, "loss")
+        if not steps:
+            return None, "starting the ranks"
+        if not train_start:  # elapsed_s counts from this leg's start of training
+            last = next(r for r in reversed(rows) if "loss" in r)
+            train_start.append(time.time() - float(last.get("elapsed_s", 0.0)))
+        left = max(0.0, budget - (time.time() - train_start[0])) + 5.0  # + final save
+        text = f"step {steps[-1]} | loss {losses[-1]:.3f}"
+        _, vloss = series(rows, "valid_loss")
+        if vloss:
+            text += f" | valid loss {vloss[-1]:.3f}"
+        return left, text
+
+    return run_logged(
+        cmd,
+        opts.out / "logs" / "train.log",
+        label,
+        status,
+        budget + EXPECTED_S["launch"],
+        detail,
+        env,
+    )
+
+
+def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
+    """Run every step into ``opts.out``; returns what went into ``opts.out/report.md``."""
+    status = status or Status()
+    # Absolute paths: the steps run with the checkout as working directory.
+    opts = replace(
+        opts, out=opts.out.resolve(), corpus=opts.corpus.resolve() if opts.corpus else None
+    )
+    out = opts.out
+    langs = [x.strip() for x in opts.langs.split(",") if x.strip()]
+    if not langs:
+        raise DemoError("--langs is empty")
+    if not 0.0 < opts.early_fraction < 1.0:
+        raise DemoError(f"--early-fraction must be in (0, 1), got {opts.early_fraction}")
+    if opts.minutes <= 0:
+        raise DemoError(f"--minutes must be > 0, got {opts.minutes}")
+    depth = parse_layers(opts.layers)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    py = sys.executable
+    timings: dict[str, float] = {}
+    t_all = time.time()
+
+    # 1. corpus
+    corpus = opts.corpus
+    if corpus is None:
+        corpus = out / "corpus"
+        if (corpus / "locale_corpus.json").is_file() and data_matches(
+            out / "data", langs, opts.vocab_size
+        ):
+            print(f"[1/7] corpus: reusing {corpus}", file=sys.stderr)
+        else:
+            if corpus.exists():
+                shutil.rmtree(corpus)
+            timings["corpus"] = run_logged(
+                [
+                    py,
+                    str(TOOLS / "build_locale_corpus.py"),
+                    "--output",
+                    str(corpus),
+                    "--langs",
+                    ",".join(langs),
+                ],
+                logs / "corpus.log",
+                "[1/7] corpus",
+                status,
+                EXPECTED_S["corpus"],
+            )
+    # 2. preprocess
+    data = out / "data"
+    if data_matches(data, langs, opts.vocab_size):
+        print(f"[2/7] preprocess: reusing {data}", file=sys.stderr)
+    else:
+        if data.exists():
+            shutil.rmtree(data)
+        timings["preprocess"] = run_logged(
+            [
+                py,
+                str(TOOLS / "preprocess_data.py"),
+                "--format",
+                "opus100",
+                "--input",
+                str(corpus),
+                "--langs",
+                ",".join(langs),
+                "--output",
+                str(data),
+                "--vocab-size",
+                str(opts.vocab_size),
+                "--workers",
+                "2",
+                "--no-progress",
+            ],
+            logs / "preprocess.log",
+            "[2/7] preprocess",
+            status,
+            EXPECTED_S["preprocess"],
+        )
+    # 3. train, two legs of one run
+    save_dir = out / "train"
+    for stale in (save_dir, out / "export", out / "eval", logs / "train.log"):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        elif stale.exists():
+            stale.unlink()
+    train_args = [
+        "--config",
+        opts.config,
+        f"pipeline.stages={opts.ranks}",
+        f"data.dataset={data}",
+        "model.vocab_size=null",
+        f"train.save_dir={save_dir}",
+        "train.save_interval=0",
+        *depth,
+        *opts.overrides,
+    ]
+    early_min = round(opts.minutes * opts.early_fraction, 4)
+    timings["train_early"] = train_leg(
+        opts,
+        train_args,
+        early_min,
+        f"[3/7] train to the early checkpoint ({early_min:g} min)",
+        status,
+    )
+    tags = {"early": latest_tag(save_dir)}
+    final_min = round(opts.minutes - early_min, 4)
+    timings["train_final"] = train_leg(
+        opts,
+        train_args,
+        final_min,
+        f"[4/7] train on to the final checkpoint ({final_min:g} min)",
+        status,
+    )
+    tags["final"] = latest_tag(save_dir)
+    # 4. convert
+    t0 = time.time()
+    for i, (name, tag) in enumerate(tags.items()):
+        run_logged(
+            [
+                py,
+                str(TOOLS / "convert_checkpoint.py"),
+                "--checkpoint",
+                str(save_dir),
+                "--tag",
+                tag,
+                "--output",
+                str(out / "export" / name),
+            ],
+            logs / f"convert_{name}.log",
+            f"[5/7] convert {tag} ({i + 1}/{len(tags)})",
+            status,
+            EXPECTED_S["convert"],
+        )
+    timings["convert"] = time.time() - t0
+    # 5. evaluate
+    t0 = time.time()
+    reports = {"copy-source": copy_source_scores(data, opts.eval_sentences)}
+    for name in tags:
+        reports[name] = evaluate_export(
+            out / "export" / name,
+            data,
+            out / "eval" / f"{name}.json",
+            out / "eval" / f"hyp_{name}",
+            opts,
+            f"[6/7] evaluate {name} ({tags[name]}, beam {opts.beam})",
+            status,
+        )
+    (out / "eval" / "copy-source.json").write_text(
+        json.dumps(reports["copy-source"], indent=2) + "\n", encoding="utf-8"
+    )
+    timings["evaluate"] = time.time() - t0
+    # 6. plots and report
+    from megatron_branchnorm.plotting import plot_runs
+
+    t0 = time.time()
+    plot = plot_runs([save_dir], out / "plots" / "training.png", ["demo"])
+    status.done("[7/7] plots", t0, str(plot))
+    timings["total"] = time.time() - t_all
+    result = DemoResult(opts, train_args, tags, reports, timings, plot, read_metrics(save_dir))
+    write_report(result, out / "report.md")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def _arrow(name: str) -> str:
+    return name.replace("-", "->")
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def bleu_table(reports: dict[str, dict[str, Any]], tags: dict[str, str]) -> list[str]:
+    """Markdown rows: a row per direction, then X->En, En->X and the average."""
+    cols = list(reports)
+    heads = [("copy the source" if c == "copy-source" else f"{c} ({tags[c]})") for c in cols]
+    lines = [
+        "| direction | "
+        + " | ".join(f"BLEU {h}" for h in heads)
+        + " | "
+        + " | ".join(f"chrF {h}" for h in heads)
+        + " |",
+        "|---" * (1 + 2 * len(cols)) + "|",
+    ]
+    names = list(reports[cols[-1]]["directions"])
+    for n in names:
+        bleu = [_num(reports[c]["directions"][n]["bleu"]) for c in cols]
+        chrf = [_num(reports[c]["directions"][n]["chrf"]) for c in cols]
+        lines.append(f"| {_arrow(n)} | " + " | ".join(bleu) + " | " + " | ".join(chrf) + " |")
+    for key, label in (("x-en", "X->En"), ("en-x", "En->X"), ("all", "average")):
+        bleu = [_num(reports[c]["averages"].get(key)) for c in cols]
+        chrf = []
+        for c in cols:
+            d = reports[c]["directions"]
+            sel = [
+                v["chrf"]
+                for k, v in d.items()
+                if key == "all" or (key == "x-en") == k.endswith("-en")
+            ]
+            chrf.append(_num(sum(sel) / len(sel)) if sel else "-")
+        lines.append(f"| **{label}** | " + " | ".join(bleu) + " | " + " | ".join(chrf) + " |")
+    return lines
+
+
+def loss_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines summarising the loss curve (a few points, validation loss, speed)."""
+    steps, losses = series(rows, "loss")
+    if not steps:
+        return ["No training loss was logged."]
+    picks = sorted(
+        {steps[min(len(steps) - 1, round(f * (len(steps) - 1)))] for f in (0, 0.25, 0.5, 0.75, 1)}
+    )
+    by_step = dict(zip(steps, losses, strict=True))
+    lines = [
+        "| step | " + " | ".join(str(s) for s in picks) + " |",
+        "|---" * (len(picks) + 1) + "|",
+        "| train loss | " + " | ".join(f"{by_step[s]:.2f}" for s in picks) + " |",
+    ]
+    vsteps, vlosses = series(rows, "valid_loss")
+    lines.append("")
+    if vsteps:
+        points = ", ".join(f"{v:.2f} (step {s})" for s, v in zip(vsteps, vlosses, strict=True))
+        lines.append(f"Validation loss: {points}.")
+    _, tps = series(rows, "tokens_per_sec")
+    _, alpha = series(rows, "alpha")
+    if tps:
+        lines.append(
+            f"Throughput: {sum(tps) / len(tps):.0f} tokens/s (source + target, mean of "
+            f"logged intervals); BranchNorm alpha at the end: {alpha[-1]:.3f}."
+        )
+    return lines
+
+
+def examples(out: Path, data: Path, n: int = 2) -> list[str]:
+    """A few source / reference / final-hypothesis triples per direction."""
+    from megatron_branchnorm.inference.evaluate import _read, references_from_manifest
+
+    lines = []
+    for name, d in references_from_manifest(data, "test").items():
+        hyp_file = out / "eval" / "hyp_final" / f"{name}.txt"
+        if not hyp_file.is_file():
+            continue
+        hyps = _read(hyp_file)
+        src, ref = _read(d.src_path), _read(d.ref_path)
+        lines.append(f"**{_arrow(name)}**")
+        lines.append("")
+        for i in range(min(n, len(hyps))):
+            lines += [
+                f"- source: `{src[i]}`",
+                f"  - reference: `{ref[i]}`",
+                f"  - model: `{hyps[i]}`" if hyps[i] else "  - model: (empty)",
+            ]
+        lines.append("")
+    return lines
+
+
+def write_report(r: DemoResult, path: Path) -> None:
+    """Write ``report.md`` (BLEU table, signature, loss summary, plots, timings)."""
+    o = r.opts
+    out = path.parent
+    final = r.reports["final"]
+    sigs = sorted(
+        {v["signature"] for rep in r.reports.values() for v in rep["directions"].values()}
+    )
+    cfg_path = out / "train" / "config.yaml"
+    model_line = ""
+    if cfg_path.is_file():
+        import yaml
+
+        c = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
+        m, t, dd = c["model"], c["train"], c["data"]
+        model_line = (
+            f"{m['encoder_layers']}L-{m['decoder_layers']}L {m['residual']} "
+            f"(d={m['hidden_size']}, FFN {m['ffn_hidden_size']}, {m['num_attention_heads']} heads, "
+            f"vocabulary {m['vocab_size']}, BranchNorm T={m['branchnorm_steps']}); "
+            f"lr {t['lr']} with {t['warmup_steps']} warm-up updates, {t['micro_batches']} "
+            f"micro-batches of {dd['max_tokens']} tokens, max length {dd['max_length']}"
+        )
+    steps = {k: int(v.removeprefix("global_step")) for k, v in r.tags.items()}
+    tm = r.timings
+    lines = [
+        "# BranchNorm demo report",
+        "",
+        f"Built-in locale corpus, English <-> {o.langs}; {model_line}.",
+        f"Trained {o.minutes:g} min through the {o.ranks}-stage DeepSpeed pipeline on "
+        f"{o.ranks} CPU ranks: early checkpoint after {o.minutes * o.early_fraction:g} min "
+        f"(step {steps['early']}), final at step {steps['final']}.",
+        "",
+        f"## BLEU on the test sets (first {o.eval_sentences} sentences per direction, "
+        f"beam {o.beam})",
+        "",
+        *bleu_table(r.reports, r.tags),
+        "",
+        "The copy-the-source row scores the untranslated source as the hypothesis: GNOME/KDE "
+        "messages share placeholders, option names and product names with their translations, "
+        "so it is far from zero.",
+        "",
+        "sacreBLEU signature" + ("s" if len(sigs) > 1 else "") + ":",
+        "",
+        *[f"- `{s}`" for s in sigs],
+        "",
+        f"Average BLEU: early {r.reports['early']['averages']['all']:.2f} -> final "
+        f"{final['averages']['all']:.2f} (copy the source: "
+        f"{r.reports['copy-source']['averages']['all']:.2f}).",
+        "",
+        "## Training curve",
+        "",
+        *loss_summary(r.rows),
+        "",
+        f"![training curves]({r.plot.relative_to(out)})",
+        "",
+        "## Examples (final model)",
+        "",
+        *examples(out, out / "data"),
+        "## Time",
+        "",
+        "| step | time |",
+        "|---|---|",
+        *[f"| {k} | {fmt_time(v)} |" for k, v in tm.items()],
+        "",
+        "Training command (each leg adds `train.max_time_minutes=...`):",
+        "",
+        "```",
+        f"deepspeed --num_gpus {o.ranks} megatron_branchnorm/train.py " + " ".join(r.train_args),
+        "```",
+        "",
+    ]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(lines), encoding="utf-8")
+    tmp.replace(path)
