@@ -304,6 +304,13 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
     return cfg
 
 
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """Build and validate a ModelConfig from the ``model`` mapping alone (e.g. an export's)."""
+    cfg = _build(ModelConfig, data, "model")
+    validate_model(cfg)
+    return cfg
+
+
 def dump_config(cfg: ExperimentConfig, path: str | Path) -> None:
     """Write the resolved config as YAML."""
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -371,6 +371,7 @@ class Trainer:
         self.ids_hash = ""
         self.is_logger = self.rank == 0
         self.tb = None
+        self._valid: list[dict] | None = None
 
     # ---- grad norm in fp32 mode --------------------------------------------------------------
 
@@ -499,23 +500,28 @@ class Trainer:
 
     # ---- validation --------------------------------------------------------------------------
 
-    def validate(self, max_batches: int = 64) -> float | None:
-        """Per-token validation loss (label-smoothed, as trained) on the valid split."""
+    def _load_valid(self, max_batches: int) -> list[dict]:
+        """Up to ``max_batches`` validation batches, a multiple of the data-parallel size."""
         try:
             valid = build_batches(self.cfg, "valid", shuffle=False)
         except Exception as exc:  # noqa: BLE001 - a dataset without valid split
             self.log(f"validation skipped: {exc}")
-            return None
+            return []
         batches = []
         for b in valid:
             batches.append(b)
             if len(batches) >= max_batches:
                 break
-        n = (len(batches) // self.dp) * self.dp
-        if n == 0:
+        return batches[: (len(batches) // self.dp) * self.dp]
+
+    def validate(self, max_batches: int = 64) -> float | None:
+        """Per-token validation loss (label-smoothed, as trained) on the valid split."""
+        if self._valid is None:  # opened and collated once, reused at every evaluation
+            self._valid = self._load_valid(max_batches)
+        if not self._valid:
             return None
-        batches = batches[:n]
-        per_rank = n // self.dp
+        batches = self._valid
+        per_rank = len(batches) // self.dp
         ntokens = sum(int(b["ntokens"]) for b in batches)
         mine = batches[self.dp_id * per_rank : (self.dp_id + 1) * per_rank]
         self.loss_fn.reset()
@@ -621,7 +627,7 @@ class Trainer:
         continues from the step."""
         from megatron_branchnorm.inference.convert import read_checkpoint
 
-        _, flat = read_checkpoint(tag_dir)
+        _, flat = read_checkpoint(tag_dir, verify=False)  # maybe_resume verified it
         names = spec_names(self.cfg.model)
         state = {}
         for key in self.module.state_dict():

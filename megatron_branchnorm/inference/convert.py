@@ -52,12 +52,14 @@ def resolve_tags(save_dir: Path, tag: str | None, average_last: int = 1) -> list
     return [ckpt.tag_for(s) for s in complete[-average_last:]]
 
 
-def read_checkpoint(tag_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(saved training info, flat state dict) of one verified checkpoint directory."""
-    try:
-        ckpt.verify_checkpoint(tag_dir)
-    except ckpt.CheckpointError as exc:
-        raise ConvertError(str(exc)) from None
+def read_checkpoint(tag_dir: Path, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(saved training info, flat state dict) of one checkpoint directory, verified against
+    its checksums unless the caller already did (``verify=False``)."""
+    if verify:
+        try:
+            ckpt.verify_checkpoint(tag_dir)
+        except ckpt.CheckpointError as exc:
+            raise ConvertError(str(exc)) from None
     info_path = tag_dir / "train_config.json"
     try:
         info = json.loads(info_path.read_text(encoding="utf-8"))

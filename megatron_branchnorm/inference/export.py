@@ -18,12 +18,10 @@ vanilla Post-LN model before saving; a Pre-LN model is saved as Pre-LN.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import shutil
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,9 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megatron_branchnorm.config import ConfigError, ModelConfig, validate_model
+from megatron_branchnorm.checkpoint import sha256_file
+from megatron_branchnorm.config import ConfigError, ModelConfig
+from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branchnorm_alpha, residual_constants
 
@@ -66,14 +66,6 @@ def export_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = tensor.detach().to("cpu").contiguous().clone()
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
@@ -136,7 +128,7 @@ def save_export(
                 "alpha": alpha,
                 "scheme": scheme.value,
                 "residual": exported.cfg.residual,
-                "sha256": {name: _sha256(tmp / name) for name in files},
+                "sha256": {name: sha256_file(tmp / name) for name in files},
             }
         )
         with open(tmp / META, "w", encoding="utf-8") as f:
@@ -159,31 +151,10 @@ def save_export(
 def model_config_from_dict(data: Any, where: str) -> ModelConfig:
     """A validated ModelConfig from the ``model`` mapping of ``config.yaml``; errors name the
     file and the key."""
-    if not isinstance(data, dict):
-        raise ExportError(f"{where}: expected a 'model' mapping")
-    hints = typing.get_type_hints(ModelConfig)
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ExportError(f"{where}: unknown key model.{key}")
-        tp = hints[key]
-        allowed = tuple(a for a in typing.get_args(tp) if a is not type(None)) or (tp,)
-        ok = value is None and type(None) in typing.get_args(tp)
-        ok = (
-            ok
-            or (isinstance(value, allowed) and not isinstance(value, bool))
-            or (float in allowed and isinstance(value, int) and not isinstance(value, bool))
-        )
-        if not ok:
-            raise ExportError(f"{where}: model.{key} has a bad value {value!r}")
-        kwargs[key] = float(value) if allowed == (float,) else value
-    cfg = ModelConfig(**kwargs)
     try:
-        validate_model(cfg)
+        return parse_model_config(data)
     except ConfigError as exc:
         raise ExportError(f"{where}: {exc}") from None
-    return cfg
 
 
 def _read_meta(export_dir: Path) -> dict[str, Any]:
@@ -222,7 +193,7 @@ def _verify_checksums(export_dir: Path, meta: dict[str, Any]) -> None:
         path = export_dir / name
         if not path.is_file():
             raise ExportError(f"{path}: missing (listed in {META})")
-        if _sha256(path) != expected:
+        if sha256_file(path) != expected:
             raise ExportError(f"{path}: checksum mismatch (corrupt or modified file)")
 
 
