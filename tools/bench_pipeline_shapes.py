@@ -124,10 +124,20 @@ def main() -> int:
         port = sock.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env,
-                                      stderr=subprocess.DEVNULL if rank else None))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *sys.argv], env=env, stderr=subprocess.DEVNULL if rank else None
+            )
+        )
     return max(p.wait() for p in procs)
 
 

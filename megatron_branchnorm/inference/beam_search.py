@@ -128,9 +128,12 @@ def beam_search(
 
         tokens = torch.cat([tokens.index_select(0, src_rows), next_tok.view(-1, 1)], dim=1)
         scores = next_scores
-        model.reorder_caches(caches, src_rows)
-        pad_mask = pad_mask.index_select(0, src_rows)
-        if len(keep) != n:  # beams of one sentence share memory rows: reorder only on removal
+        # Beams of one sentence share memory, padding and cross-attention rows: those are
+        # reordered only when sentences leave the batch.
+        removed = len(keep) != n
+        model.reorder_caches(caches, src_rows, cross=removed)
+        if removed:
+            pad_mask = pad_mask.index_select(0, src_rows)
             memory = memory.index_select(0, src_rows)
         live = [live[i] for i in keep]
 

@@ -98,8 +98,13 @@ class MultiheadAttention(nn.Module):
         return self.out(y)
 
 
-def reorder_cache(caches: list[Cache], new_order: torch.Tensor) -> None:
-    """Select batch rows of every cached key/value in place (beam search)."""
+def reorder_cache(caches: list[Cache], new_order: torch.Tensor, cross: bool = True) -> None:
+    """Select batch rows of every cached key/value in place (beam search).
+
+    ``cross=False`` leaves the cross-attention keys/values as they are: they depend only on
+    the source sentence, so a reorder among the beams of one sentence does not change them.
+    """
     for cache in caches:
         for key, value in cache.items():
-            cache[key] = value.index_select(0, new_order)
+            if cross or not key.startswith("cross_"):
+                cache[key] = value.index_select(0, new_order)

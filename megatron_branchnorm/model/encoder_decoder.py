@@ -116,9 +116,10 @@ class EncoderDecoder(nn.Module):
         return self.decode(tokens[:, None], memory, memory_pad_mask, caches, start=step)[:, 0]
 
     @staticmethod
-    def reorder_caches(caches: list[Cache], new_order: torch.Tensor) -> None:
-        """Keep batch rows ``new_order`` of every cache (beam search)."""
-        reorder_cache(caches, new_order)
+    def reorder_caches(caches: list[Cache], new_order: torch.Tensor, cross: bool = True) -> None:
+        """Keep batch rows ``new_order`` of every cache (beam search); ``cross=False`` skips
+        the cross-attention entries (valid when rows move only among one sentence's beams)."""
+        reorder_cache(caches, new_order, cross)
 
 
 def build_model(cfg: ModelConfig, seed: int = 1) -> EncoderDecoder:

@@ -174,8 +174,8 @@ def select_layernorm(impl: str, device_type: str) -> str:
     auto: Apex on CUDA tensors when importable, else torch. apex: Apex always (Apex itself
     falls back to torch on CPU tensors); an error when not importable.
     """
-    if impl == "torch":
-        return "torch"
+    if impl == "torch" or (impl == "auto" and device_type != "cuda"):
+        return "torch"  # no import attempt: a failed import costs ~0.1 ms per call
     available = apex_layernorm_class() is not None
     if impl == "apex":
         if not available:
@@ -261,9 +261,11 @@ class Residual(nn.Module):
             return self.norm(x + self.dropout(f(x)))
         if self.scheme is Scheme.PRELN:
             return x + self.dropout(f(self.norm(x)))
+        # torch.add(a, b, alpha=s) = a + s * b in one kernel (no separate scale and its
+        # backward); at s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
         if self.scheme is Scheme.DEEPNORM:
-            return self.norm(self.alpha * x + self.dropout(f(x)))
-        return self.norm(x + self.branch_scale * self.dropout(f(x)))  # BRANCHNORM
+            return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.alpha))
+        return self.norm(torch.add(x, self.dropout(f(x)), alpha=self.branch_scale))
 
     def output_scale_for_postln(self) -> float:
         """The factor c with which this block equals Post-LN once F's output is scaled by c.

@@ -1,0 +1,91 @@
+"""Micro-benchmarks and a profile behind docs/performance.md (one change at a time).
+
+    python tools/_bench_micro.py                 # loss and Adam variants, interleaved, medians
+    python tools/_bench_micro.py --profile ours  # op profile of one model step (12L-12L)
+    python tools/_bench_micro.py --profile ours --bf16
+
+Variants timed in one run: the label-smoothed loss (reference log_softmax form vs the fused
+autograd function, forward + backward on (2048, 8000) logits) and Adam over our 12L-12L
+model's parameters (for-loop, foreach, fused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _bench_models as bm  # noqa: E402
+
+from megatron_branchnorm.model.loss import (  # noqa: E402
+    label_smoothed_nll_loss,
+    reference_label_smoothed_nll_loss,
+)
+
+
+def micro(a: argparse.Namespace) -> None:
+    z = torch.randn(a.batch, a.tgt, a.vocab, requires_grad=True)
+    t = torch.randint(4, a.vocab, (a.batch, a.tgt))
+
+    def loss(fn) -> None:
+        fn(z, t, 0.1)[0].backward()
+        z.grad = None
+
+    params = list(bm.build_ours(a).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opts = {
+        "adam_forloop": torch.optim.Adam(params, lr=1e-9, foreach=False),
+        "adam_foreach": torch.optim.Adam(params, lr=1e-9, foreach=True),
+        "adam_fused": torch.optim.Adam(params, lr=1e-9, fused=True),
+    }
+    cases = [
+        ("loss_reference", lambda: loss(reference_label_smoothed_nll_loss)),
+        ("loss_fused", lambda: loss(label_smoothed_nll_loss)),
+        *[(k, o.step) for k, o in opts.items()],
+    ]
+    res: dict[str, list[float]] = {}
+    for _ in range(a.reps):
+        for name, fn in cases:
+            t0 = time.perf_counter()
+            fn()
+            res.setdefault(name, []).append(time.perf_counter() - t0)
+    print(f"load {os.getloadavg()}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")
+    for k, v in res.items():
+        print(f"{k:<16} median {statistics.median(v) * 1e3:8.1f} ms  (n={len(v)})")
+
+
+def profile(a: argparse.Namespace) -> None:
+    from torch.profiler import profile as prof
+
+    torch.manual_seed(0)
+    model = bm.BUILDERS[a.profile](a)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batch = bm.make_batch(a.batch, a.src, a.tgt, a.vocab)
+    bm.train_step(model, opt, batch, a.bf16)
+    with prof() as p:
+        bm.train_step(model, opt, batch, a.bf16)
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bm.add_model_args(p)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", choices=bm.IMPLS, default=None)
+    p.add_argument("--bf16", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    profile(a) if a.profile else micro(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+"""Side-by-side performance benchmark against fairseq, torchscale and torch.nn.Transformer.
+
+    python tools/benchmark.py --quick                       # ~ a few minutes on 2 cores
+    python tools/benchmark.py --sections model,trainstep --rounds 5 --json out.json
+
+Sections (``--sections``, comma-separated; default all):
+
+- ``model``: the model step (forward, the same fp32 label-smoothed loss, backward, a plain
+  torch.optim.Adam step; one loop shared by every implementation, tools/_bench_models.py) for
+  ours and each anchor, fp32 and bf16 autocast. Each implementation is a persistent worker
+  process; rounds interleave implementations and dtypes; figures are medians. Prints tokens/s
+  (source + target), achieved GFLOP/s (matmul FLOPs of the configuration), the fraction of
+  the matmul peak measured in the same run, and our ratio to each anchor. fairseq and
+  torchscale run in the throwaway environment of tools/_bench_anchors.py.
+- ``trainstep``: our whole training step through megatron_branchnorm/train.py (fused loss,
+  optimizer, loop overheads) on synthetic data of the same shape, fp32 and bf16.
+- ``pipeline``: train.py on 1 stage (1 thread) and on 2 stages (2 ranks, 1 thread each) with
+  4/8/16 micro-batches; the bubble-limited ideal is t1 * (m + p - 1) / (m * p).
+- ``deep``: a 500L-500L model at tiny width on 2 ranks: time to the first step, peak RSS per
+  rank, parameters per rank.
+- ``beam``: beam search (beam 4) sentences/s, ours vs transformers generate on our HF export.
+- ``preprocess``: tools/preprocess_data.py sentence pairs/s on a locale corpus.
+
+Always record the machine load: timings on a shared machine are noisy; ratios within one run
+are what the script reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import _bench_anchors  # noqa: E402
+import _bench_models  # noqa: E402
+
+SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess")
+
+
+def load() -> str:
+    """The 1/5/15-minute load averages."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {load()}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul peak
+# ---------------------------------------------------------------------------------------------
+
+
+def matmul_peak(threads: int, n: int = 2048, reps: int = 5) -> dict[str, float]:
+    """Best-of GFLOP/s of an n x n x n matmul, fp32 and bf16."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = min(_timed(lambda a=a, b=b: a @ b) for _ in range(reps))
+        out[name] = 2 * n**3 / best / 1e9
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Model step
+# ---------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """A tools/_bench_models.py process serving one implementation."""
+
+    def __init__(self, impl: str, python: str, args: list[str], env: dict) -> None:
+        self.impl = impl
+        self.proc = subprocess.Popen(
+            [python, str(ROOT / "tools" / "_bench_models.py"), "--impl", impl, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{impl}: the worker exited before it was ready")
+        self.info = json.loads(line)
+
+    def run(self, dtype: str, steps: int) -> list[float]:
+        self.proc.stdin.write(json.dumps({"dtype": dtype, "steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["times"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write('{"quit": true}\n')
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.wait(timeout=60)
+
+
+def bench_model(a: argparse.Namespace, peak: dict[str, float]) -> dict:
+    """Interleaved model-step timings of every available implementation."""
+    margs = [
+        f"--layers={a.layers}", f"--dim={a.dim}", f"--ffn={a.ffn}", f"--heads={a.heads}",
+        f"--vocab={a.vocab}", f"--batch={a.batch}", f"--src={a.src}", f"--tgt={a.tgt}",
+        f"--dropout={a.dropout}", f"--threads={a.threads}",
+    ]  # fmt: skip
+    impls = [i for i in a.impls.split(",") if i]
+    anchor_py, status = None, {}
+    if {"fairseq", "torchscale"} & set(impls):
+        log("preparing the anchors' environment (first time: minutes)")
+        anchor_py = str(_bench_anchors.prepare_anchor_env())
+        status = _bench_anchors.anchor_status()
+    skipped: dict[str, str] = {}
+    env = dict(os.environ, **_bench_anchors.ANCHOR_ENV)
+    specs = {}  # impl -> (worker impl, python, extra args)
+    for impl in impls:
+        if impl in ("fairseq", "torchscale") and status.get(impl) != "ok":
+            skipped[impl] = status.get(impl, "not prepared")
+        elif impl in ("fairseq", "torchscale"):
+            specs[impl] = (impl, anchor_py, [])
+        elif impl == "base":
+            specs[impl] = ("ours", sys.executable, [f"--root={a.base}"])
+        else:
+            specs[impl] = (impl, sys.executable, [])
+    dtypes = a.dtypes.split(",")
+    # One worker alive at a time (memory on a shared machine); every round starts each
+    # implementation afresh, warms it up and times it, in alternating order.
+    times: dict[str, dict[str, list[float]]] = {i: {d: [] for d in dtypes} for i in specs}
+    params = {}
+    for r in range(a.rounds):
+        order = list(specs) if r % 2 == 0 else list(reversed(specs))
+        for impl in order:
+            if impl in skipped:
+                continue
+            wimpl, py, extra = specs[impl]
+            try:
+                w = Worker(wimpl, py, [*margs, *extra], env)
+            except Exception as e:  # noqa: BLE001 - reported as skipped
+                skipped[impl] = str(e)
+                continue
+            params[impl] = w.info["params"]
+            for dt in dtypes:
+                w.run(dt, a.warmup)  # allocator, autocast caches, Adam state
+                times[impl][dt] += w.run(dt, a.steps)
+                log(f"model step {impl}/{dt}: {[round(t, 3) for t in times[impl][dt]]} s")
+            w.close()
+        log(f"round {r + 1}/{a.rounds} done")
+    workers = [i for i in specs if i not in skipped]
+    times = {i: times[i] for i in workers}
+    tokens = a.batch * (a.src + a.tgt)
+    flops = _bench_models.model_flops(a.layers, a.dim, a.ffn, a.vocab, a.batch, a.src, a.tgt)
+    rows = {}
+    for impl, per_dtype in times.items():
+        for dt, ts in per_dtype.items():
+            med = statistics.median(ts)
+            rows[f"{impl}/{dt}"] = {
+                "s_per_step": med,
+                "tokens_per_s": tokens / med,
+                "gflops": flops / med / 1e9,
+                "frac_peak": flops / med / 1e9 / peak[dt],
+                "n": len(ts),
+                "spread": (min(ts), max(ts)),
+            }
+    ratios = {}
+    for dt in dtypes:
+        ours = rows.get(f"ours/{dt}")
+        for impl in workers:
+            if impl != "ours" and ours and f"{impl}/{dt}" in rows:
+                ratios[f"ours/{impl} {dt}"] = (
+                    ours["tokens_per_s"] / rows[f"{impl}/{dt}"]["tokens_per_s"]
+                )
+    if "ours/fp32" in rows and "ours/bf16" in rows:
+        ratios["ours bf16/fp32"] = (
+            rows["ours/bf16"]["tokens_per_s"] / rows["ours/fp32"]["tokens_per_s"]
+        )
+    return {
+        "config": f"{a.layers}L-{a.layers}L d={a.dim} ffn={a.ffn} heads={a.heads} "
+        f"vocab={a.vocab} batch={a.batch}x({a.src}+{a.tgt}) dropout={a.dropout}",
+        "gflop_per_step": flops / 1e9,
+        "rows": rows,
+        "ratios": ratios,
+        "skipped": skipped,
+        "params": params,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py runs (trainstep, pipeline, deep)
+# ---------------------------------------------------------------------------------------------
+
+
+def train_run(
+    overrides: list[str],
+    ranks: int,
+    threads_per_rank: int,
+    save_dir: Path,
+    timeout: float,
+    root: Path = ROOT,
+) -> dict:
+    """Run train.py (ranks started directly, as under srun); returns metrics records, wall
+    time to the first record, total wall time and the peak RSS of each rank (MiB)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, str(root / "megatron_branchnorm" / "train.py"), "--config", "tiny_cpu",
+        f"train.save_dir={save_dir}", "train.save_interval=0", "train.eval_interval=100000",
+        "train.log_interval=1", *overrides,
+    ]  # fmt: skip
+    metrics = save_dir / "metrics.jsonl"
+    t0 = time.time()
+    procs = []
+    for rank in range(ranks):
+        env = dict(
+            os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+            LOCAL_SIZE=str(max(1, (os.cpu_count() or 2) // threads_per_rank)),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        )  # fmt: skip
+        save_dir.mkdir(parents=True, exist_ok=True)
+        with open(save_dir / f"rank{rank}.log", "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=out))
+    first = None
+    peaks = [0.0] * ranks
+    done = [False] * ranks
+    while not all(done):
+        if first is None and metrics.exists() and metrics.stat().st_size:
+            first = time.time() - t0
+        for i, p in enumerate(procs):
+            if not done[i]:
+                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    done[i], peaks[i] = True, usage.ru_maxrss / 1024.0
+                    p.returncode = os.waitstatus_to_exitcode(status)
+        if time.time() - t0 > timeout:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"train.py timed out after {timeout:.0f}s: {overrides}")
+        time.sleep(0.05)
+    wall = time.time() - t0
+    # DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer per rank in /dev/shm
+    # (~66 MB each); remove the ones of this run (named after its port).
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        leftover.unlink(missing_ok=True)
+    if any(p.returncode for p in procs):
+        tail = (save_dir / "rank0.log").read_text().strip().splitlines()[-3:]
+        raise RuntimeError(f"train.py failed ({[p.returncode for p in procs]}): {tail}")
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    records = [r for r in records if "tokens_per_sec" in r]
+    return {"records": records, "first_step_s": first, "wall_s": wall, "peak_rss_mb": peaks}
+
+
+def _model_overrides(a: argparse.Namespace, layers: int | None = None) -> list[str]:
+    n = layers or a.layers
+    return [
+        f"model.encoder_layers={n}", f"model.decoder_layers={n}", f"model.hidden_size={a.dim}",
+        f"model.ffn_hidden_size={a.ffn}", f"model.num_attention_heads={a.heads}",
+        f"model.vocab_size={a.vocab}", f"model.dropout={a.dropout}", "model.max_positions=128",
+        "train.warmup_steps=100", "train.lr=5e-4", "train.clip_grad=0.0",
+    ]  # fmt: skip
+
+
+def bench_trainstep(a: argparse.Namespace, work: Path) -> dict:
+    """Our whole training step through train.py (1 process, all cores), fp32 and bf16.
+
+    Synthetic copy/reverse data, max_length = src so a micro-batch holds ~max_tokens
+    tokens per side (source + target tokens are counted, pads not)."""
+    out: dict = {}
+    steps = a.warmup + a.steps * (1 if a.quick else 2)
+    trees = {"ours": ROOT}
+    if a.base:
+        trees["base"] = Path(a.base)
+    for rnd in range(1 if a.quick else 2):
+        for dt in a.dtypes.split(","):
+            ds = ROOT / "ds_configs" / ("cpu_fp32.json" if dt == "fp32" else "zero1_bf16.json")
+            if dt == "bf16":  # ZeRO-1 refuses our AdamW subclass unless told (see performance.md)
+                conf = json.loads(ds.read_text())
+                conf["zero_allow_untested_optimizer"] = True
+                ds = work / "zero1_bf16_allow.json"
+                ds.write_text(json.dumps(conf))
+            for name, root in trees.items():
+                save = work / f"trainstep_{name}_{dt}_{rnd}"
+                shutil.rmtree(save, ignore_errors=True)
+                ov = _model_overrides(a) + [
+                    f"data.max_tokens={a.batch * a.src}", f"data.max_length={a.src}",
+                    "train.micro_batches=1", f"train.max_steps={steps}",
+                    f"train.deepspeed_config={ds}",
+                ]  # fmt: skip
+                res = train_run(ov, 1, a.threads, save, a.timeout, root)
+                tps = [r["tokens_per_sec"] for r in res["records"][a.warmup :]]
+                out.setdefault(f"{name}/{dt}", []).extend(tps)
+                log(f"trainstep {name} {dt}: {statistics.median(tps):.0f} tokens/s")
+    summary = {k: {"tokens_per_s": statistics.median(v), "n": len(v)} for k, v in out.items()}
+    for dt in a.dtypes.split(","):
+        if f"base/{dt}" in summary:
+            summary[f"ours/base {dt}"] = (
+                summary[f"ours/{dt}"]["tokens_per_s"] / summary[f"base/{dt}"]["tokens_per_s"]
+            )
+    return summary
+
+
+def bench_pipeline(a: argparse.Namespace, work: Path) -> dict:
+    """1 stage (1 thread) vs 2 stages x 1 thread, against the bubble-limited ideal."""
+    base = [
+        "model.encoder_layers=6", "model.decoder_layers=6", "model.hidden_size=128",
+        "model.ffn_hidden_size=512", "model.num_attention_heads=4", "model.vocab_size=1000",
+        "model.dropout=0.1", "data.max_tokens=256", "data.max_length=32",
+    ]  # fmt: skip
+    mbs = [8] if a.quick else [4, 8, 16]
+    steps = 3 if a.quick else 6
+    out = {}
+
+    def per_update(res: dict) -> float:
+        recs = res["records"][1:]  # the first update includes warm-up
+        toks = [r["tokens_per_sec"] for r in recs]
+        return statistics.median(toks)
+
+    save = work / "pipe1"
+    shutil.rmtree(save, ignore_errors=True)
+    r1 = train_run(
+        base + ["train.micro_batches=8", f"train.max_steps={steps}"], 1, 1, save, a.timeout
+    )
+    t1 = per_update(r1)  # tokens/s of one rank, one thread, whole model
+    out["1stage_tokens_per_s"] = t1
+    for m in mbs:
+        save = work / f"pipe2_m{m}"
+        shutil.rmtree(save, ignore_errors=True)
+        r2 = train_run(
+            base + [f"train.micro_batches={m}", f"train.max_steps={steps}", "pipeline.stages=2"],
+            2, 1, save, a.timeout,
+        )  # fmt: skip
+        t2 = per_update(r2)
+        ideal = t1 * 2 * m / (m + 1)  # p=2: t1 * p * m / (m + p - 1)
+        out[f"2stage_m{m}"] = {"tokens_per_s": t2, "ideal": ideal, "frac_ideal": t2 / ideal}
+        log(f"pipeline m={m}: {t2:.0f} tokens/s = {t2 / ideal:.0%} of ideal {ideal:.0f}")
+    return out
+
+
+def bench_deep(a: argparse.Namespace, work: Path) -> dict:
+    """A 500L-500L model at tiny width on 2 ranks: first step, peak RSS per rank."""
+    n = 500
+    save = work / "deep"
+    shutil.rmtree(save, ignore_errors=True)
+    ov = [
+        f"model.encoder_layers={n}", f"model.decoder_layers={n}", "model.hidden_size=32",
+        "model.ffn_hidden_size=64", "model.num_attention_heads=2", "model.vocab_size=64",
+        "data.max_tokens=128", "train.micro_batches=2", "train.max_steps=1", "pipeline.stages=2",
+    ]  # fmt: skip
+    res = train_run(ov, 2, 1, save, a.timeout)
+    out = {
+        "first_step_s": res["first_step_s"],
+        "wall_s": res["wall_s"],
+        "peak_rss_mb_per_rank": res["peak_rss_mb"],
+    }
+    log(f"500L-500L: first step at {res['first_step_s']:.1f}s, peak RSS {res['peak_rss_mb']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Beam search vs transformers generate
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_beam(a: argparse.Namespace, work: Path) -> dict:
+    """Sentences/s of beam search (beam 4, lenpen 0.6) on the same weights: ours and
+    MarianMTModel.generate on our HF export, interleaved."""
+    import torch
+    from transformers import MarianMTModel
+
+    from megatron_branchnorm.config import ModelConfig
+    from megatron_branchnorm.inference.beam_search import beam_search
+    from megatron_branchnorm.inference.hf_export import export_hf
+    from megatron_branchnorm.model import build_model
+    from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
+
+    torch.set_num_threads(a.threads)
+    layers = 6
+    cfg = ModelConfig(
+        encoder_layers=layers, decoder_layers=layers, hidden_size=a.dim, ffn_hidden_size=a.ffn,
+        num_attention_heads=a.heads, vocab_size=a.vocab, residual="postln", dropout=0.0,
+        max_positions=128,
+    )  # fmt: skip
+    model = build_model(cfg).eval()
+    hf_dir = work / "hf"
+    export_hf(model, hf_dir, verify=False)
+    hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
+    g = torch.Generator().manual_seed(0)
+    nsent, slen = (16, 12) if a.quick else (32, 16)
+    src = torch.randint(EOS_ID + 1, a.vocab, (nsent, slen), generator=g)
+    src[:, -1] = EOS_ID
+    limit = int(1.2 * slen + 10)
+    banned = [PAD_ID, BOS_ID]
+
+    def ours() -> int:
+        hyps = beam_search(model, src, beam=4, lenpen=0.6, banned_ids=banned)
+        return sum(len(h[0].tokens) for h in hyps)
+
+    def theirs() -> int:
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=src, attention_mask=src.ne(PAD_ID).long(), num_beams=4,
+                length_penalty=0.6, max_new_tokens=limit + 1, early_stopping=True,
+                do_sample=False,
+            )  # fmt: skip
+        return int(out.ne(PAD_ID).sum()) - out.shape[0]
+
+    t_ours, t_hf, lens = [], [], {}
+    ours(), theirs()  # warm-up
+    for _ in range(1 if a.quick else 3):
+        for name, fn, acc in (("ours", ours, t_ours), ("hf", theirs, t_hf)):
+            t0 = time.perf_counter()
+            lens[name] = fn()
+            acc.append(time.perf_counter() - t0)
+    res = {
+        "config": f"{layers}L-{layers}L d={a.dim} vocab={a.vocab}, {nsent} sentences of {slen}",
+        "ours_sent_per_s": nsent / statistics.median(t_ours),
+        "hf_sent_per_s": nsent / statistics.median(t_hf),
+        "generated_tokens": lens,
+    }
+    res["ratio"] = res["ours_sent_per_s"] / res["hf_sent_per_s"]
+    log(f"beam: ours/hf = {res['ratio']:.2f}")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_preprocess(a: argparse.Namespace, work: Path) -> dict:
+    """Sentence pairs/s of tools/preprocess_data.py on a locale corpus (built here)."""
+    corpus = work / "corpus"
+    if not corpus.exists():
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "build_locale_corpus.py"), "--output",
+             str(corpus), "--langs", "de,fr"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+        )  # fmt: skip
+    out_dir = work / "data"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--format", "opus100",
+         "--input", str(corpus), "--langs", "de,fr", "--output", str(out_dir),
+         "--vocab-size", "2000"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    pairs = _count_pairs(manifest)
+    res = {"pairs": pairs, "wall_s": wall, "pairs_per_s": pairs / wall if pairs else None}
+    log(f"preprocess: {pairs} pairs in {wall:.1f}s")
+    return res
+
+
+def _count_pairs(manifest: dict) -> int:
+    """Raw sentence pairs read, over every split and language pair of a data manifest."""
+    return sum(
+        int(pair.get("raw_sentences", pair.get("sentences", 0)))
+        for split in manifest.get("splits", {}).values()
+        for pair in split.get("pairs", {}).values()
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def print_report(res: dict) -> None:
+    print(f"# benchmark {res['date']}  ({res['machine']})")
+    print(f"command: {res['command']}")
+    print(f"load at start/end: {res['load_start']} / {res['load_end']}")
+    if "peak" in res:
+        p = res["peak"]
+        print(f"matmul peak: fp32 {p['fp32']:.0f} GFLOP/s, bf16 {p['bf16']:.0f} GFLOP/s")
+    if "model" in res:
+        m = res["model"]
+        print(f"\n## model step: {m['config']} ({m['gflop_per_step']:.0f} GFLOP/step)")
+        print(f"{'impl/dtype':<18}{'s/step':>8}{'tokens/s':>10}{'GFLOP/s':>9}{'of peak':>9}  n")
+        for k, r in m["rows"].items():
+            print(
+                f"{k:<18}{r['s_per_step']:>8.3f}{r['tokens_per_s']:>10.0f}{r['gflops']:>9.0f}"
+                f"{r['frac_peak']:>9.1%}  {r['n']}"
+            )
+        for k, v in m["ratios"].items():
+            print(f"ratio {k}: {v:.2f}x")
+        for k, v in m["skipped"].items():
+            print(f"skipped {k}: {v}")
+    for key in ("trainstep", "pipeline", "deep", "beam", "preprocess"):
+        if key in res:
+            print(f"\n## {key}\n{json.dumps(res[key], indent=1)}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _bench_models.add_model_args(p)
+    p.add_argument("--quick", action="store_true", help="short version (1 round, fewer runs)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"of {','.join(SECTIONS)}")
+    p.add_argument("--impls", default="ours,torch,fairseq,torchscale")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (model step)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per worker and dtype")
+    p.add_argument("--timeout", type=float, default=900.0, help="per train.py run (s)")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a git revision of this repo: also time our code at that revision ('base')",
+    )
+    a = p.parse_args()
+    if a.quick:
+        a.rounds, a.steps = 1, 2
+    sections = [s for s in a.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)} (of {', '.join(SECTIONS)})")
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="mbn_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    a.base = None
+    if a.baseline:
+        a.base = str(work / "base")
+        shutil.rmtree(a.base, ignore_errors=True)
+        os.makedirs(a.base)
+        tar = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", a.baseline, "megatron_branchnorm"],
+            check=True, capture_output=True,
+        ).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", a.base], input=tar, check=True)
+        if "base" not in a.impls.split(","):
+            a.impls = f"{a.impls},base"
+    res: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "tools/benchmark.py", *sys.argv[1:]]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "load_start": load(),
+    }
+    if "model" in sections:
+        res["peak"] = matmul_peak(a.threads)
+        log(f"matmul peak {res['peak']}")
+        res["model"] = bench_model(a, res["peak"])
+    runners = {
+        "trainstep": bench_trainstep,
+        "pipeline": bench_pipeline,
+        "deep": bench_deep,
+        "beam": bench_beam,
+        "preprocess": bench_preprocess,
+    }
+    for name, fn in runners.items():
+        if name in sections:
+            try:
+                res[name] = fn(a, work)
+            except Exception as e:  # noqa: BLE001 - one failed section does not lose the rest
+                res[name] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{name} failed: {e}")
+    res["load_end"] = load()
+    print_report(res)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
