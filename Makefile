@@ -30,7 +30,7 @@ format: $(VENV)/.installed
 LANGS ?= de,fr
 CONFIG ?= demo_cpu
 LAYERS ?=
-MINUTES ?= 15
+MINUTES ?= 20
 OUT ?= runs/demo
 .PHONY: demo
 demo: $(VENV)/.installed

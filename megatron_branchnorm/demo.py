@@ -51,7 +51,7 @@ class DemoOptions:
     """Languages paired with English (both directions of each are trained and evaluated)."""
     config: str = "demo_cpu"
     """Training config (shipped name or YAML path)."""
-    minutes: float = 15.0
+    minutes: float = 20.0
     """Training time budget (wall clock, both legs together, launches excluded)."""
     early_fraction: float = 0.2
     """Share of the budget after which the early checkpoint is taken."""

@@ -4,6 +4,8 @@ the result (DESIGN.md §10: one shared harness, fault suite <= 6 minutes)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -87,4 +89,38 @@ def hard_kills(tmp_path_factory) -> dict:
     if out["final_codes"] != [0, 0]:
         _fail(out["final_codes"], base / "l3", "restart after kill -9")
     (base / "hard_kills.json").write_text(json.dumps({k: str(v) for k, v in out.items()}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def one_rank_signals(tmp_path_factory) -> dict:
+    """SIGUSR1 to the last stage only, restart, SIGTERM to the first stage only, restart to
+    the end (fault 5 with one rank signalled; tools/fault_sweep.py soak does many).
+    Returns, per signal, the exit codes, the last step logged before the exit and the tag a
+    restart loads."""
+    base = tmp_path_factory.mktemp("one_rank_signals")
+    run = base / "run"
+    overrides = [f"train.max_steps={STEPS}", "train.save_interval=0"]
+    out: dict = {"dir": run}
+    for name, victim, sig in (("usr1_last", 1, signal.SIGUSR1), ("term_first", 0, signal.SIGTERM)):
+        before = len(records(run))
+        procs = launch(run, overrides, base / name, fault="slow@0.3")
+        deadline = time.time() + 600
+        while time.time() < deadline and len(records(run)) < before + 3:
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        if len(records(run)) < before + 3:  # never signal a rank still starting up
+            _fail(wait_all(procs, timeout=1), base / name, f"{name}: no updates to interrupt")
+        os.kill(procs[victim].pid, sig)
+        codes = wait_all(procs, timeout=180)
+        out[name] = {
+            "codes": codes,
+            "last_step": max(r["step"] for r in records(run)),
+            "tag": ckpt.resume_tag(run)[0],
+        }
+    procs = launch(run, overrides, base / "end")
+    out["final_codes"] = wait_all(procs, timeout=300)
+    if out["final_codes"] != [0, 0]:
+        _fail(out["final_codes"], base / "end", "restart after the signals")
     return out

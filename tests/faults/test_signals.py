@@ -1,0 +1,32 @@
+"""A preemption signal reaching one rank only (issue 10, fault 5): every rank stops together,
+checkpoints the step it reached, exits with the requeue code, and the restarted run equals the
+uninterrupted reference (zero steps lost). The soak in tools/fault_sweep.py repeats this."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE
+from tests.faults.common import COMPARED, STEPS, last_by_step, param_hash
+
+pytestmark = [pytest.mark.faults, pytest.mark.distributed]
+
+
+@pytest.mark.parametrize("name", ["usr1_last", "term_first"])
+def test_signal_to_one_rank_stops_all_and_loses_no_step(one_rank_signals, name):
+    r = one_rank_signals[name]
+    assert r["codes"] == [REQUEUE_EXIT_CODE] * 2, r["codes"]
+    assert r["tag"] == f"global_step{r['last_step']}"  # the checkpoint holds the last update
+    ckpt.verify_checkpoint(one_rank_signals["dir"] / r["tag"])
+
+
+def test_restart_after_signals_matches_reference(one_rank_signals, fault_harness):
+    run, ref = one_rank_signals["dir"], fault_harness / "ref"
+    got, want = last_by_step(run), last_by_step(ref)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        for key in COMPARED:
+            assert got[step][key] == want[step][key], (step, key)
+    tag = f"global_step{STEPS}"
+    assert param_hash(run / tag) == param_hash(ref / tag)
