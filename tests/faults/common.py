@@ -132,3 +132,15 @@ def kill_tree(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
+
+
+def assert_matches_reference(run: Path, ref: Path) -> None:
+    """Every step 1..STEPS of ``run`` equals the reference in COMPARED, and so do the final
+    parameters."""
+    got, want = last_by_step(run), last_by_step(ref)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        for key in COMPARED:
+            assert got[step][key] == want[step][key], (step, key)
+    tag = f"global_step{STEPS}"
+    assert param_hash(run / tag) == param_hash(ref / tag)

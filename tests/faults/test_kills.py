@@ -6,23 +6,13 @@ import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.trainer import FAULT_EXIT_CODE
-from tests.faults.common import COMPARED, STEPS, last_by_step, param_hash
+from tests.faults.common import assert_matches_reference
 from tests.faults.conftest import RESTARTED, SAVE_KILLS
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
 EXIT_BOUND_S = 60.0
 """Every rank must be gone this long after its peer died (measured: a few seconds)."""
-
-
-def _matches_reference(run, ref) -> None:
-    got, want = last_by_step(run), last_by_step(ref)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        for key in COMPARED:
-            assert got[step][key] == want[step][key], (step, key)
-    tag = f"global_step{STEPS}"
-    assert param_hash(run / tag) == param_hash(ref / tag)
 
 
 @pytest.mark.parametrize("point", sorted(SAVE_KILLS))
@@ -37,8 +27,8 @@ def test_kill_inside_save_loads_newest_complete_checkpoint(save_kills, point):
 
 
 @pytest.mark.parametrize("point", RESTARTED)
-def test_restart_after_killed_save_matches_reference(save_kills, fault_harness, point):
-    _matches_reference(save_kills[point]["dir"], fault_harness / "ref")
+def test_restart_after_killed_saveassert_matches_reference(save_kills, fault_harness, point):
+    assert_matches_reference(save_kills[point]["dir"], fault_harness / "ref")
 
 
 @pytest.mark.parametrize("victim", ["first", "last"])
@@ -49,6 +39,6 @@ def test_kill_9_of_one_rank_ends_every_rank(hard_kills, victim):
     assert survivor not in (0, None), codes
 
 
-def test_restart_after_kill_9_matches_reference(hard_kills, fault_harness):
+def test_restart_after_kill_9assert_matches_reference(hard_kills, fault_harness):
     assert hard_kills["resumed_from"], "the second launch did not resume"
-    _matches_reference(hard_kills["dir"], fault_harness / "ref")
+    assert_matches_reference(hard_kills["dir"], fault_harness / "ref")

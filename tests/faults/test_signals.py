@@ -8,7 +8,7 @@ import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE
-from tests.faults.common import COMPARED, STEPS, last_by_step, param_hash
+from tests.faults.common import assert_matches_reference
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
@@ -22,11 +22,4 @@ def test_signal_to_one_rank_stops_all_and_loses_no_step(one_rank_signals, name):
 
 
 def test_restart_after_signals_matches_reference(one_rank_signals, fault_harness):
-    run, ref = one_rank_signals["dir"], fault_harness / "ref"
-    got, want = last_by_step(run), last_by_step(ref)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        for key in COMPARED:
-            assert got[step][key] == want[step][key], (step, key)
-    tag = f"global_step{STEPS}"
-    assert param_hash(run / tag) == param_hash(ref / tag)
+    assert_matches_reference(one_rank_signals["dir"], fault_harness / "ref")
