@@ -21,7 +21,7 @@ def test_kill_inside_save_loads_newest_complete_checkpoint(save_kills, point):
     r = save_kills[point]
     assert r["codes"][rank] == FAULT_EXIT_CODE
     assert all(c != 0 for c in r["codes"]), r["codes"]  # the peer fails too, no hang
-    assert r["seconds"] < 300  # whole launch incl. start-up (slow under load); a hang is 600+
+    assert r["seconds"] < 300  # whole launch incl. start-up; a hang reaches wait_all's 300 s
     assert r["resume_tag"] == expected
     ckpt.verify_checkpoint(r["dir"] / expected)
 
