@@ -85,16 +85,21 @@ def last_by_step(save_dir: Path) -> dict[int, dict]:
 
 
 def kill_hard_when(
-    procs: list[subprocess.Popen], save_dir: Path, victim: int, min_rows: int, timeout: float = 240
+    procs: list[subprocess.Popen],
+    save_dir: Path,
+    victim: int,
+    min_rows: int,
+    timeout: float = 240,
+    sig: int = signal.SIGKILL,
 ) -> tuple[float, list[int]]:
-    """SIGKILL rank ``victim`` once metrics.jsonl has ``min_rows`` rows; returns (seconds until
-    every other rank exited, exit codes)."""
+    """Send ``sig`` (SIGKILL) to rank ``victim`` once metrics.jsonl has ``min_rows`` rows;
+    returns (seconds until every rank exited, exit codes)."""
     deadline = time.time() + timeout
     while time.time() < deadline and len(records(save_dir)) < min_rows:
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.05)
-    os.kill(procs[victim].pid, signal.SIGKILL)
+    os.kill(procs[victim].pid, sig)
     t0 = time.time()
     codes = wait_all(procs, timeout=180)
     return time.time() - t0, codes

@@ -4,7 +4,6 @@ the result (DESIGN.md §10: one shared harness, fault suite <= 6 minutes)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -105,15 +104,7 @@ def one_rank_signals(tmp_path_factory) -> dict:
     for name, victim, sig in (("usr1_last", 1, signal.SIGUSR1), ("term_first", 0, signal.SIGTERM)):
         before = len(records(run))
         procs = launch(run, overrides, base / name, fault="slow@0.3")
-        deadline = time.time() + 600
-        while time.time() < deadline and len(records(run)) < before + 3:
-            if any(p.poll() is not None for p in procs):
-                break
-            time.sleep(0.05)
-        if len(records(run)) < before + 3:  # never signal a rank still starting up
-            _fail(wait_all(procs, timeout=1), base / name, f"{name}: no updates to interrupt")
-        os.kill(procs[victim].pid, sig)
-        codes = wait_all(procs, timeout=180)
+        _, codes = kill_hard_when(procs, run, victim, before + 3, timeout=600, sig=sig)
         out[name] = {
             "codes": codes,
             "last_step": max(r["step"] for r in records(run)),
