@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from megatron_branchnorm.data.text import clean
 from megatron_branchnorm.model import EncoderDecoder
+from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 
 STACKS = ("encoder", "decoder")
@@ -262,4 +263,29 @@ def plot_analysis(results: list[tuple[str, dict[str, Any]]], output: str | Path)
     fig.savefig(tmp, dpi=80)
     plt.close(fig)
     tmp.replace(out)
+    return out
+
+
+def source_dependence(
+    model: EncoderDecoder, batches: Sequence[dict[str, Any]], seed: int = 0
+) -> dict[str, float]:
+    """Teacher-forced NLL per target token (nats) with the true source ("true"), the sources
+    shuffled across each batch ("shuffled") and only the language tag ("empty"): a model that
+    has only learnt a target-side language model scores the three alike."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in ("true", "shuffled", "empty"):
+        total = count = 0.0
+        with torch.no_grad():
+            for b in batches:
+                src = b["src_tokens"]
+                if name == "shuffled":
+                    src = src[torch.randperm(src.shape[0], generator=gen)]
+                elif name == "empty":  # keep the target-language tag, then end of sentence
+                    src = torch.cat([src[:, :1], torch.full_like(src[:, :1], EOS_ID)], dim=1)
+                logits = model(src, b["prev_output_tokens"])
+                _, nll, n = label_smoothed_nll_loss(logits, b["target"], 0.0)
+                total += nll.item()
+                count += n.item()
+        out[name] = total / count
     return out

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
+from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
@@ -162,20 +163,6 @@ def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
         # subclass (it records the fp32 gradient norm), so DeepSpeed would refuse it.
         ds.setdefault("zero_allow_untested_optimizer", True)
     return ds
-
-
-def inverse_sqrt_factor(cfg: ExperimentConfig):
-    """LR multiplier of update t = e + 1 (LambdaLR's epoch e): linear warm-up from
-    warmup_init_lr to lr over warmup_steps, then lr * sqrt(warmup_steps / t) (fairseq)."""
-    peak, init, warm = cfg.train.lr, cfg.train.warmup_init_lr, cfg.train.warmup_steps
-
-    def factor(e: int) -> float:
-        t = e + 1
-        if warm > 0 and t <= warm:
-            return (init + (peak - init) * t / warm) / peak
-        return math.sqrt(max(warm, 1) / t)
-
-    return factor
 
 
 class AdamW(torch.optim.AdamW):

@@ -14,33 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
+from megatron_branchnorm.analysis import source_dependence  # noqa: E402
 from megatron_branchnorm.data import BatchSampler, TranslationData  # noqa: E402
 from megatron_branchnorm.inference.export import ExportError, load_export  # noqa: E402
-from megatron_branchnorm.model.loss import label_smoothed_nll_loss  # noqa: E402
-from megatron_branchnorm.tokens import EOS_ID  # noqa: E402
-
-
-def source_dependence(model, batches: list[dict], seed: int = 0) -> dict[str, float]:
-    """{"true", "shuffled", "empty"} -> NLL per target token (nats)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in ("true", "shuffled", "empty"):
-        total = count = 0.0
-        with torch.no_grad():
-            for b in batches:
-                src = b["src_tokens"]
-                if name == "shuffled":
-                    src = src[torch.randperm(src.shape[0], generator=gen)]
-                elif name == "empty":  # keep the target-language tag, then end of sentence
-                    src = torch.cat([src[:, :1], torch.full_like(src[:, :1], EOS_ID)], dim=1)
-                logits = model(src, b["prev_output_tokens"])
-                _, nll, n = label_smoothed_nll_loss(logits, b["target"], 0.0)
-                total += nll.item()
-                count += n.item()
-        out[name] = total / count
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
