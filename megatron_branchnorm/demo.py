@@ -301,6 +301,18 @@ def evaluate_export(
     return report
 
 
+def source_use(export: Path, data_dir: Path, batches: int = 10) -> dict[str, float]:
+    """Teacher-forced NLL per target token on the first dev batches (2048 tokens each) with the
+    true source, the sources shuffled and an empty source (analysis.source_dependence)."""
+    from megatron_branchnorm.analysis import source_dependence
+    from megatron_branchnorm.data import BatchSampler, TranslationData
+    from megatron_branchnorm.inference.export import load_export
+
+    model, _, _ = load_export(export)
+    dev = TranslationData(str(data_dir), "dev", max_length=None)
+    return source_dependence(model, list(BatchSampler(dev, 2048, 1.0, 1, shuffle=False))[:batches])
+
+
 @dataclass
 class DemoResult:
     """What the report is made of."""
@@ -312,6 +324,8 @@ class DemoResult:
     timings: dict[str, float]
     plot: Path
     rows: list[dict[str, Any]]
+    source: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per checkpoint: source_use()'s NLLs (empty when not measured)."""
 
 
 def train_leg(
@@ -518,6 +532,8 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
             f"[6/7] evaluate {name} ({tags[name]}, beam {opts.beam})",
             status,
         )
+    source = {name: source_use(out / "export" / name, data) for name in tags}
+    (out / "eval" / "source-use.json").write_text(json.dumps(source, indent=2) + "\n")
     (out / "eval" / "copy-source.json").write_text(
         json.dumps(reports["copy-source"], indent=2) + "\n", encoding="utf-8"
     )
@@ -529,7 +545,9 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
     plot = plot_runs([save_dir], out / "plots" / "training.png", ["demo"])
     status.done("[7/7] plots", t0, str(plot))
     timings["total"] = time.time() - t_all
-    result = DemoResult(opts, train_args, tags, reports, timings, plot, read_metrics(save_dir))
+    result = DemoResult(
+        opts, train_args, tags, reports, timings, plot, read_metrics(save_dir), source
+    )
     write_report(result, out / "report.md")
     return result
 
@@ -631,6 +649,28 @@ def examples(out: Path, data: Path, n: int = 2) -> list[str]:
     return lines
 
 
+def source_lines(source: dict[str, dict[str, float]], tags: dict[str, str]) -> list[str]:
+    """Markdown section: how much each checkpoint reads its source (empty when unmeasured)."""
+    if not source:
+        return []
+    lines = [
+        "## Does the model read its source?",
+        "",
+        "Teacher-forced NLL per target token (nats) on the first 10 dev batches: with the true "
+        "source, with the sources shuffled across the batch, and with only the language tag. "
+        "A model that has learnt only a target-side language model scores the three alike.",
+        "",
+        "| checkpoint | true source | shuffled | empty | source worth (shuffled - true) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, v in source.items():
+        lines.append(
+            f"| {name} ({tags[name]}) | {v['true']:.2f} | {v['shuffled']:.2f} | {v['empty']:.2f}"
+            f" | {v['shuffled'] - v['true']:.2f} |"
+        )
+    return [*lines, ""]
+
+
 def write_report(r: DemoResult, path: Path) -> None:
     """Write ``report.md`` (BLEU table, signature, loss summary, plots, timings)."""
     o = r.opts
@@ -680,6 +720,7 @@ def write_report(r: DemoResult, path: Path) -> None:
         f"{final['averages']['all']:.2f} (copy the source: "
         f"{r.reports['copy-source']['averages']['all']:.2f}).",
         "",
+        *source_lines(r.source, r.tags),
         "## Training curve",
         "",
         *loss_summary(r.rows),

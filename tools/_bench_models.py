@@ -100,7 +100,9 @@ class TorchTransformer(nn.Module):
 
     def forward(self, src: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         t = prev.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t, dtype=torch.float32)
+        mask = nn.Transformer.generate_square_subsequent_mask(
+            t, device=prev.device, dtype=torch.float32
+        )
         y = self.tf(self._emb(src), self._emb(prev), tgt_mask=mask, tgt_is_causal=True)
         return y @ self.embed.weight.t()
 
@@ -177,7 +179,7 @@ BUILDERS = {
 def train_step(model, opt, batch, bf16: bool) -> float:
     """One forward + loss + backward + Adam step; returns the loss (a host sync per step)."""
     src, prev, target = batch
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(src, prev)  # (B, T, V)
     loss = reference_loss(logits, target)
     loss.backward()
@@ -191,10 +193,10 @@ def serve(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = BUILDERS[a.impl](a)
+    model = BUILDERS[a.impl](a).to(a.device)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
-    batch = make_batch(a.batch, a.src, a.tgt, a.vocab)
+    batch = tuple(x.to(a.device) for x in make_batch(a.batch, a.src, a.tgt, a.vocab))
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"ready": a.impl, "params": params, "build_s": time.perf_counter() - t0}))
     sys.stdout.flush()
@@ -225,6 +227,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--residual", default="branchnorm", help="ours only")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (model section only)")
 
 
 def main() -> None:

@@ -64,16 +64,27 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def matmul_peak(threads: int, n: int = 2048, reps: int = 5) -> dict[str, float]:
-    """Best-of GFLOP/s of an n x n x n matmul, fp32 and bf16."""
+def matmul_peak(
+    threads: int, n: int = 2048, reps: int = 5, device: str = "cpu"
+) -> dict[str, float]:
+    """Best-of GFLOP/s of an n x n x n matmul, fp32 and bf16 (n = 8192 on a GPU)."""
     import torch
 
     torch.set_num_threads(threads)
+    n = 8192 if device != "cpu" else n
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
         a @ b
-        best = min(_timed(lambda a=a, b=b: a @ b) for _ in range(reps))
+        sync()
+
+        def mm(a=a, b=b) -> None:
+            a @ b
+            sync()
+
+        best = min(_timed(mm) for _ in range(reps))
         out[name] = 2 * n**3 / best / 1e9
     return out
 
@@ -126,7 +137,7 @@ def bench_model(a: argparse.Namespace, peak: dict[str, float]) -> dict:
     margs = [
         f"--layers={a.layers}", f"--dim={a.dim}", f"--ffn={a.ffn}", f"--heads={a.heads}",
         f"--vocab={a.vocab}", f"--batch={a.batch}", f"--src={a.src}", f"--tgt={a.tgt}",
-        f"--dropout={a.dropout}", f"--threads={a.threads}",
+        f"--dropout={a.dropout}", f"--threads={a.threads}", f"--device={a.device}",
     ]  # fmt: skip
     impls = [i for i in a.impls.split(",") if i]
     anchor_py, status = None, {}
@@ -563,8 +574,12 @@ def main() -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_start": load(),
     }
+    if a.device != "cpu":
+        import torch
+
+        res["machine"] += f", {torch.cuda.get_device_name()}"
     if "model" in sections:
-        res["peak"] = matmul_peak(a.threads)
+        res["peak"] = matmul_peak(a.threads, device=a.device)
         log(f"matmul peak {res['peak']}")
         res["model"] = bench_model(a, res["peak"])
     runners = {

@@ -86,6 +86,20 @@ def test_report_has_a_bleu_row_per_direction(demo_run) -> None:
     assert (out / "data" / "manifest.json").is_file()
 
 
+def test_report_measures_source_use(demo_run) -> None:
+    out, result, _ = demo_run
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Does the model read its source?" in report
+    saved = json.loads((out / "eval" / "source-use.json").read_text(encoding="utf-8"))
+    assert set(saved) == {"early", "final"} and saved == result.source
+    for name, nll in saved.items():
+        assert set(nll) == {"true", "shuffled", "empty"}
+        assert all(0.0 < v < 20.0 for v in nll.values())
+        worth = nll["shuffled"] - nll["true"]
+        assert f"| {name} ({result.tags[name]}) | {nll['true']:.2f} |" in report
+        assert f"| {worth:.2f} |" in report
+
+
 def test_status_lines_and_plots(demo_run, tmp_path: Path) -> None:
     out, _, status = demo_run
     assert "elapsed" in status and "left" in status and "[6/7] evaluate final" in status
