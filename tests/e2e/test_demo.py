@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.demo import DemoOptions, Status, run_demo
+from tests.inference.test_translate import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT_LINES = {"train": 1500, "dev": 40, "test": 8}
@@ -147,3 +148,32 @@ def test_clis_refuse_bad_input(tmp_path: Path) -> None:
         text=True,
     )
     assert proc.returncode == 1 and "--layers 'x'" in proc.stderr
+
+
+def test_probe_learning_on_the_demo_data(demo_run, tmp_path: Path, capsys) -> None:
+    """tools/probe_learning.py trains the flat model on a DATA_DIR and reports NLL, source use
+    and BLEU per variant; a bad variant is a one-line error before any training."""
+    out, _, _ = demo_run
+    main = load_tool("probe_learning").main
+    tiny = "model.encoder_layers=1;model.decoder_layers=1;data.max_length=48;train.micro_batches=1"
+    args = ["--config", "demo_cpu", "--data", str(out / "data"), "--device", "cpu"]
+    jsonl = tmp_path / "probe.jsonl"
+    rc = main(
+        [*args, "--updates", "4", "--eval-every", "2", "--valid-batches", "1",
+         "--bleu-sentences", "2", "--beam", "1", "--threads", "1", "--output", str(jsonl),
+         "--variant", f"a={tiny}", "--variant", f"b={tiny};model.residual=postln"]
+    )  # fmt: skip
+    assert rc == 0
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["variant"], r["step"]) for r in recs] == [("a", 2), ("a", 4), ("b", 2), ("b", 4)]
+    for r in recs:
+        assert r["valid_nll"] > 0 and abs(r["source_gain"]) < 10
+        assert ("bleu" in r) == (r["step"] == 4)
+    assert set(recs[-1]["bleu_dirs"]) == {"de-en", "en-de"}
+    assert recs[0]["alpha"] == 1.0 / 10 * 2  # BranchNorm t=2 of T=10 (demo_cpu)
+    assert recs[2]["alpha"] == 1.0  # Post-LN
+    capsys.readouterr()
+    assert main([*args, "--variant", "nameonly"]) == 2
+    assert "--variant 'nameonly'" in capsys.readouterr().err
+    assert main([*args, "--variant", "x=model.residual=bogus"]) == 2
+    assert "model.residual" in capsys.readouterr().err
