@@ -18,7 +18,8 @@ Sections (``--sections``, comma-separated; default all):
   4/8/16 micro-batches; the bubble-limited ideal is t1 * (m + p - 1) / (m * p).
 - ``deep``: a 500L-500L model at tiny width on 2 ranks: time to the first step, peak RSS per
   rank, parameters per rank.
-- ``beam``: beam search (beam 4) sentences/s, ours vs transformers generate on our HF export.
+- ``beam``: beam search (beam 4) sentences/s, ours (and ours at ``--baseline``, in the same
+  process) vs transformers generate on our HF export; ``--beam-reps``, ``--beam-sentences``.
 - ``preprocess``: tools/preprocess_data.py sentence pairs/s on a locale corpus.
 
 Always record the machine load: timings on a shared machine are noisy; ratios within one run
@@ -398,9 +399,38 @@ def bench_deep(a: argparse.Namespace, work: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def _import_beam_tree(root: str) -> tuple:
+    """(ModelConfig, build_model, beam_search) of the package under ``root`` (another git
+    revision), imported under its usual name and then taken out of ``sys.modules`` again, so
+    that this tree's modules stay the ones imported by name. Its functions keep their own
+    module globals, so the two versions run side by side in one process."""
+    import importlib
+
+    def ours_loaded() -> dict:
+        return {k: m for k, m in sys.modules.items() if k.split(".")[0] == "megatron_branchnorm"}
+
+    saved = ours_loaded()
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, root)
+    try:
+        config = importlib.import_module("megatron_branchnorm.config")
+        model = importlib.import_module("megatron_branchnorm.model")
+        search = importlib.import_module("megatron_branchnorm.inference.beam_search")
+    finally:
+        sys.path.remove(root)
+        for k in ours_loaded():
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return config.ModelConfig, model.build_model, search.beam_search
+
+
 def bench_beam(a: argparse.Namespace, work: Path) -> dict:
-    """Sentences/s of beam search (beam 4, lenpen 0.6) on the same weights: ours and
-    MarianMTModel.generate on our HF export, interleaved."""
+    """Sentences/s of beam search (beam 4, lenpen 0.6) on the same weights: ours (and with
+    ``--baseline``, ours at that revision) and MarianMTModel.generate on our HF export,
+    interleaved; figures are medians over ``--beam-reps`` repetitions."""
+    import dataclasses
+
     import torch
     from transformers import MarianMTModel
 
@@ -422,39 +452,60 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
     export_hf(model, hf_dir, verify=False)
     hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
     g = torch.Generator().manual_seed(0)
-    nsent, slen = (16, 12) if a.quick else (32, 16)
+    nsent = a.beam_sentences or (16 if a.quick else 32)
+    slen = 12 if a.quick else 16
     src = torch.randint(EOS_ID + 1, a.vocab, (nsent, slen), generator=g)
     src[:, -1] = EOS_ID
     limit = int(1.2 * slen + 10)
     banned = [PAD_ID, BOS_ID]
 
-    def ours() -> int:
-        hyps = beam_search(model, src, beam=4, lenpen=0.6, banned_ids=banned)
-        return sum(len(h[0].tokens) for h in hyps)
+    def search_fn(search, net):
+        def run() -> list:
+            hyps = search(net, src, beam=4, lenpen=0.6, banned_ids=banned)
+            return [h[0].tokens for h in hyps]
 
-    def theirs() -> int:
+        return run
+
+    def theirs() -> list:
         with torch.no_grad():
             out = hf.generate(
                 input_ids=src, attention_mask=src.ne(PAD_ID).long(), num_beams=4,
                 length_penalty=0.6, max_new_tokens=limit + 1, early_stopping=True,
                 do_sample=False,
             )  # fmt: skip
-        return int(out.ne(PAD_ID).sum()) - out.shape[0]
+        return [[t for t in row[1:] if t not in (PAD_ID, EOS_ID)] for row in out.tolist()]
 
-    t_ours, t_hf, lens = [], [], {}
-    ours(), theirs()  # warm-up
-    for _ in range(1 if a.quick else 3):
-        for name, fn, acc in (("ours", ours, t_ours), ("hf", theirs, t_hf)):
+    fns = {"ours": search_fn(beam_search, model)}
+    if a.base:
+        base_config, base_build, base_search = _import_beam_tree(a.base)
+        base_model = base_build(base_config(**dataclasses.asdict(cfg))).eval()
+        base_model.load_state_dict(model.state_dict())
+        fns["base"] = search_fn(base_search, base_model)
+    fns["hf"] = theirs
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    outs = {name: fn() for name, fn in fns.items()}  # warm-up
+    reps = a.beam_reps or (1 if a.quick else 3)
+    for rep in range(reps):
+        names = list(fns) if rep % 2 == 0 else list(reversed(fns))  # alternate the order
+        for name in names:
             t0 = time.perf_counter()
-            lens[name] = fn()
-            acc.append(time.perf_counter() - t0)
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
     res = {
         "config": f"{layers}L-{layers}L d={a.dim} vocab={a.vocab}, {nsent} sentences of {slen}",
-        "ours_sent_per_s": nsent / statistics.median(t_ours),
-        "hf_sent_per_s": nsent / statistics.median(t_hf),
-        "generated_tokens": lens,
+        "threads": a.threads,
+        "reps": reps,
+        "times_s": {name: [round(t, 3) for t in ts] for name, ts in times.items()},
+        "generated_tokens": {name: sum(map(len, out)) for name, out in outs.items()},
     }
+    for name, ts in times.items():
+        res[f"{name}_sent_per_s"] = nsent / statistics.median(ts)
     res["ratio"] = res["ours_sent_per_s"] / res["hf_sent_per_s"]
+    res["same_as_hf"] = sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True))
+    if "base" in fns:
+        res["ratio_base"] = res["base_sent_per_s"] / res["hf_sent_per_s"]
+        res["ours_over_base"] = res["ours_sent_per_s"] / res["base_sent_per_s"]
+        res["same_as_base"] = outs["ours"] == outs["base"]
     log(f"beam: ours/hf = {res['ratio']:.2f}")
     return res
 
@@ -542,6 +593,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per train.py run (s)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--beam-sentences", type=int, default=0, help="beam: sentences (0: 32)")
+    p.add_argument("--beam-reps", type=int, default=0, help="beam: timed repetitions (0: 3)")
     p.add_argument(
         "--baseline",
         default=None,

@@ -50,7 +50,7 @@ def max_lengths(
     return limit.clamp(min=0, max=max_positions - 1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model: EncoderDecoder,
     src_tokens: torch.Tensor,
@@ -70,37 +70,43 @@ def beam_search(
     model.eval()
     device = src_tokens.device
     bsz, k = src_tokens.shape[0], beam
-    limits = max_lengths(src_tokens, max_len_a, max_len_b, model.cfg.max_positions).tolist()
+    limits_t = max_lengths(src_tokens, max_len_a, max_len_b, model.cfg.max_positions)
+    limits = limits_t.tolist()
     banned = torch.tensor(sorted({int(i) for i in banned_ids} - {EOS_ID}), dtype=torch.long)
     banned = banned.to(device)
 
-    memory, pad_mask = model.encode(src_tokens)  # (B, S, C), (B, S)
-    rows = torch.arange(bsz, device=device).repeat_interleave(k)
-    memory, pad_mask = memory.index_select(0, rows), pad_mask.index_select(0, rows)  # (B*K, ...)
-    caches = model.new_caches()
-    tokens = torch.full((bsz * k, 1), BOS_ID, dtype=torch.long, device=device)  # (n*K, 1 + t)
-    scores = torch.full((bsz, k), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # only the first beam of a sentence is live at the start
+    # Memory, padding mask and cross-attention keys/values stay one row per sentence (its
+    # beams share them); the token rows are the live beams, sentence-major: one per sentence
+    # at step 0 (the other beams would be copies with score -inf), then K.
+    memory, pad_mask = model.encode(src_tokens)  # (n, S, C), (n, S)
+    caches = model.new_step_caches(max(limits) + 1)
+    out_t = model.output_weight_t()  # (C, V): a contiguous copy makes the logits matmul faster
+    tokens = torch.full((bsz, 1), BOS_ID, dtype=torch.long, device=device)  # (n*k', 1 + t)
+    scores = torch.zeros((bsz, 1), device=device)  # (n, k'): live beams' log-probabilities
     live = list(range(bsz))  # original index of each sentence still in the batch
     finished: list[list[Hypothesis]] = [[] for _ in range(bsz)]
 
     for step in range(max(limits) + 1):
-        n = len(live)
-        logits = model.decode_step(tokens[:, -1], memory, pad_mask, caches, step)  # (n*K, V)
+        n, kk = scores.shape
+        logits = model.decode_step(tokens[:, -1], memory, pad_mask, caches, step, out_t)
         lprobs = F.log_softmax(logits.float(), dim=-1)
         vocab = lprobs.shape[-1]
         if banned.numel():
             lprobs.index_fill_(1, banned, NEG_INF)
-        at_limit = torch.tensor([step >= limits[s] for s in live], device=device)
-        if bool(at_limit.any()):
-            forced = at_limit.repeat_interleave(k)
+        if step >= min(limits[s] for s in live):  # some sentence at its limit: only EOS
+            forced = limits_t.index_select(0, torch.tensor(live, device=device)).le(step)
+            forced = forced.repeat_interleave(kk)
             eos_lp = lprobs[forced, EOS_ID].clone()
             lprobs[forced] = NEG_INF
             lprobs[forced, EOS_ID] = eos_lp
 
-        cand = (scores.view(n * k, 1) + lprobs).view(n, k * vocab)
-        top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=1)  # (n, 2K)
-        top_beam, top_tok = top_idx // vocab, top_idx % vocab
+        # The best 2K of a sentence are among the best 2K of each of its rows: select per
+        # row, then among the (n, k' * 2K) sums (one small add, not one per vocabulary entry).
+        row_lp, row_tok = lprobs.topk(min(2 * k, vocab), dim=1)  # (n*k', w)
+        width = row_lp.shape[1]
+        cand = (row_lp + scores.view(n * kk, 1)).view(n, kk * width)
+        top_scores, top_idx = _topk_padded(cand, 2 * k)  # (n, 2K)
+        top_beam, top_tok = top_idx // width, row_tok.view(n, kk * width).gather(1, top_idx)
         is_eos = top_tok.eq(EOS_ID)
 
         # Close hypotheses: an EOS within the first K candidates with a finite score.
@@ -110,31 +116,35 @@ def beam_search(
             if len(hyps) >= k:
                 continue
             raw = float(top_scores[i, r])
-            prefix = tokens[i * k + int(top_beam[i, r]), 1:].tolist()
+            prefix = tokens[i * kk + int(top_beam[i, r]), 1:].tolist()
             hyps.append(Hypothesis(prefix, raw / float(step + 1) ** lenpen, raw))
 
         keep = [i for i, s in enumerate(live) if len(finished[s]) < k and step < limits[s]]
         if not keep:
             break
         # The first K non-EOS candidates continue (there are at least K: one EOS per beam).
-        rank = torch.arange(top_idx.shape[1], device=device).expand_as(top_idx)
-        order = (rank + is_eos.long() * top_idx.shape[1]).argsort(dim=1)[:, :k]  # (n, K)
-        keep_t = torch.tensor(keep, device=device)
-        order = order.index_select(0, keep_t)
-        next_scores = top_scores.index_select(0, keep_t).gather(1, order)
-        next_beam = top_beam.index_select(0, keep_t).gather(1, order)
-        next_tok = top_tok.index_select(0, keep_t).gather(1, order)
-        src_rows = (keep_t[:, None] * k + next_beam).view(-1)  # (n'*K,) rows of the old batch
+        rank = torch.arange(2 * k, device=device).expand_as(top_idx)
+        order = (rank + is_eos.long() * 2 * k).argsort(dim=1)[:, :k]  # (n, K)
+        removed = len(keep) != n
+        if removed:
+            keep_t = torch.tensor(keep, device=device)
+            order = order.index_select(0, keep_t)
+            top_scores, top_beam, top_tok = (
+                x.index_select(0, keep_t) for x in (top_scores, top_beam, top_tok)
+            )
+            memory, pad_mask = memory.index_select(0, keep_t), pad_mask.index_select(0, keep_t)
+            row0 = keep_t[:, None] * kk
+        else:
+            keep_t = None
+            row0 = torch.arange(0, n * kk, kk, device=device)[:, None]
+        scores, next_beam, next_tok = (x.gather(1, order) for x in (top_scores, top_beam, top_tok))
+        src_rows = (row0 + next_beam).view(-1)  # (n'*K,) rows of the old batch
 
         tokens = torch.cat([tokens.index_select(0, src_rows), next_tok.view(-1, 1)], dim=1)
-        scores = next_scores
-        # Beams of one sentence share memory, padding and cross-attention rows: those are
-        # reordered only when sentences leave the batch.
-        removed = len(keep) != n
-        model.reorder_caches(caches, src_rows, cross=removed)
-        if removed:
-            pad_mask = pad_mask.index_select(0, src_rows)
-            memory = memory.index_select(0, src_rows)
+        same_rows = src_rows.numel() == n * kk and torch.equal(
+            src_rows, torch.arange(n * kk, device=device)
+        )
+        model.reorder_step_caches(caches, None if same_rows else src_rows, keep_t)
         live = [live[i] for i in keep]
 
     out = []
@@ -142,6 +152,18 @@ def beam_search(
         hyps.sort(key=lambda h: h.score, reverse=True)
         out.append(hyps[:nbest])
     return out
+
+
+def _topk_padded(cand: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``m`` of each row of ``cand`` (n, N); with N < m, padded with -inf candidates at
+    index N - 1 (score -inf: they never close a hypothesis, and a beam continued from one
+    stays at -inf, as a beam with no finite candidate left did before)."""
+    if cand.shape[1] >= m:
+        return cand.topk(m, dim=1)
+    vals, idx = cand.topk(cand.shape[1], dim=1)
+    pad = m - cand.shape[1]
+    vals = F.pad(vals, (0, pad), value=NEG_INF)
+    return vals, F.pad(idx, (0, pad), value=cand.shape[1] - 1)
 
 
 @torch.no_grad()

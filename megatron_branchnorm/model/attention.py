@@ -3,15 +3,74 @@
 Self-attention uses one fused QKV projection; cross-attention projects queries from the
 decoder and keys/values (fused) from the encoder output. Masks are boolean ``[B, S]`` with
 True at padding positions.
+
+Two caches for incremental decoding: ``Cache`` (a dict per layer whose keys/values grow by
+concatenation; any number of new positions per call) and :class:`StepCache` (beam search:
+one position per call, self-attention keys/values in a preallocated buffer, cross-attention
+keys/values once per source sentence, shared by its beams).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-Cache = dict[str, torch.Tensor]
+DictCache = dict[str, torch.Tensor]
+
+
+class StepCache:
+    """One decoder layer's keys/values for decoding one position per call (beam search).
+
+    Self-attention keys/values live in a time-major buffer (T_max, 2, B, C): a step writes
+    one slot (no concatenation), and :meth:`reorder` copies the filled slots into a spare
+    buffer of the same layout (double buffering). Cross-attention keys/values are held once
+    per source sentence, (N, H, S, Dh): the B query rows are N groups of B / N consecutive
+    rows (the beams of a sentence), and :meth:`select_sentences` follows sentences leaving.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.kv: torch.Tensor | None = None  # (T_max, 2, B, C); slots [0, length) filled
+        self.spare: torch.Tensor | None = None
+        self.cross_k: torch.Tensor | None = None  # (N, H, S, Dh)
+        self.cross_v: torch.Tensor | None = None
+
+    def append(self, kv: torch.Tensor) -> torch.Tensor:
+        """Write the new position's keys/values (B, 2C); returns all of them (t, 2, B, C)."""
+        b, c2 = kv.shape
+        if self.kv is None or self.kv.shape[2] != b:  # the first step (or a new batch size)
+            if self.length:
+                raise ValueError(f"cache holds {self.kv.shape[2]} rows, got {b}")
+            self.kv = kv.new_empty(self.max_len, 2, b, c2 // 2)
+        if self.length >= self.max_len:
+            raise ValueError(f"cache is full ({self.max_len} positions)")
+        self.kv[self.length] = kv.view(b, 2, c2 // 2).transpose(0, 1)
+        self.length += 1
+        return self.kv[: self.length]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep self-attention rows ``rows`` (B',) of the filled slots, in that order."""
+        if self.kv is None:
+            return
+        shape = (self.max_len, 2, rows.numel(), self.kv.shape[3])
+        if self.spare is None or self.spare.shape != shape:
+            self.spare = self.kv.new_empty(shape)
+        t = self.length
+        torch.index_select(self.kv[:t], 2, rows, out=self.spare[:t])
+        self.kv, self.spare = self.spare, self.kv
+
+    def select_sentences(self, sentences: torch.Tensor) -> None:
+        """Keep cross-attention keys/values of source sentences ``sentences`` (N',)."""
+        if self.cross_k is not None:
+            self.cross_k = self.cross_k.index_select(0, sentences)
+            self.cross_v = self.cross_v.index_select(0, sentences)
+
+
+Cache = DictCache | StepCache
 
 
 class MultiheadAttention(nn.Module):
@@ -55,9 +114,14 @@ class MultiheadAttention(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, C) queries; memory: (B, S, C) for cross-attention; returns (B, T, C).
 
-        With ``cache`` (incremental decoding, T == 1 new position): self-attention appends
-        its keys/values to the cache; cross-attention computes them once and reuses them.
+        With ``cache`` (incremental decoding): self-attention appends its keys/values to the
+        cache; cross-attention computes them once and reuses them. With a :class:`StepCache`
+        (T == 1), ``memory`` and ``key_padding_mask`` have one row per source sentence.
         """
+        if isinstance(cache, StepCache):
+            if self.cross:
+                return self.out(self._cross_step(x, memory, key_padding_mask, cache))
+            return self.out(self._self_step(x, cache))
         b, t, c = x.shape
         if self.cross:
             q = self._split(self.q(x), 1)[0]
@@ -97,8 +161,34 @@ class MultiheadAttention(nn.Module):
         y = y.transpose(1, 2).reshape(b, t, c)
         return self.out(y)
 
+    def _self_step(self, x: torch.Tensor, cache: StepCache) -> torch.Tensor:
+        """x (B, 1, C), the newest position -> attention over every cached one (B, 1, C)."""
+        b, h, dh = x.shape[0], self.heads, self.head_dim
+        qkv = self.qkv(x[:, 0])  # (B, 3C)
+        q = qkv[:, : self.dim].view(b, h, 1, dh)
+        kv = cache.append(qkv[:, self.dim :])  # (t, 2, B, C)
+        t = kv.shape[0]
+        k = kv[:, 0].view(t, b, h, dh).permute(1, 2, 3, 0)  # (B, H, Dh, t), a view
+        v = kv[:, 1].view(t, b, h, dh).permute(1, 2, 0, 3)  # (B, H, t, Dh), a view
+        # One query: plain matmuls on the strided buffer beat SDPA (which copies it).
+        w = torch.softmax((q @ k).mul_(1.0 / math.sqrt(dh)), dim=-1)  # (B, H, 1, t)
+        return (w @ v).view(b, 1, self.dim)
 
-def reorder_cache(caches: list[Cache], new_order: torch.Tensor, cross: bool = True) -> None:
+    def _cross_step(
+        self, x: torch.Tensor, memory: torch.Tensor, pad_mask: torch.Tensor, cache: StepCache
+    ) -> torch.Tensor:
+        """x (B, 1, C) in N groups of G rows, memory (N, S, C), pad_mask (N, S) -> (B, 1, C):
+        each group's G queries attend to their sentence's keys in one call."""
+        b, n = x.shape[0], memory.shape[0]
+        if cache.cross_k is None:
+            cache.cross_k, cache.cross_v = self._split(self.kv(memory), 2)  # (N, H, S, Dh)
+        q = self.q(x).view(n, b // n, self.heads, self.head_dim).transpose(1, 2)  # (N, H, G, Dh)
+        mask = ~pad_mask[:, None, None, :]  # (N, 1, 1, S): True = attend
+        y = F.scaled_dot_product_attention(q, cache.cross_k, cache.cross_v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(b, 1, self.dim)
+
+
+def reorder_cache(caches: list[DictCache], new_order: torch.Tensor, cross: bool = True) -> None:
     """Select batch rows of every cached key/value in place (beam search).
 
     ``cross=False`` leaves the cross-attention keys/values as they are: they depend only on
@@ -108,3 +198,15 @@ def reorder_cache(caches: list[Cache], new_order: torch.Tensor, cross: bool = Tr
         for key, value in cache.items():
             if cross or not key.startswith("cross_"):
                 cache[key] = value.index_select(0, new_order)
+
+
+def reorder_step_caches(
+    caches: list[StepCache], rows: torch.Tensor | None, sentences: torch.Tensor | None
+) -> None:
+    """Beam search on :class:`StepCache`: keep self-attention rows ``rows`` and cross-attention
+    sentences ``sentences``; None leaves that part as it is."""
+    for cache in caches:
+        if rows is not None:
+            cache.reorder(rows)
+        if sentences is not None:
+            cache.select_sentences(sentences)

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from megatron_branchnorm.config import ModelConfig, validate_model
-from megatron_branchnorm.model.attention import Cache, reorder_cache
+from megatron_branchnorm.model.attention import (
+    Cache,
+    DictCache,
+    StepCache,
+    reorder_cache,
+    reorder_step_caches,
+)
 from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.residual import (
@@ -86,12 +92,24 @@ class EncoderDecoder(nn.Module):
         caches: list[Cache] | None = None,
         start: int = 0,
     ) -> torch.Tensor:
-        """prev_output_tokens (B, T) -> logits (B, T, V); with ``caches`` (one dict per
-        decoder layer), T new positions starting at ``start`` are decoded incrementally."""
+        """prev_output_tokens (B, T) -> logits (B, T, V); with ``caches`` (one per decoder
+        layer), T new positions starting at ``start`` are decoded incrementally."""
+        x = self.decode_features(prev_output_tokens, memory, memory_pad_mask, caches, start)
+        return output_logits(x, self.embedding.weight)
+
+    def decode_features(
+        self,
+        prev_output_tokens: torch.Tensor,
+        memory: torch.Tensor,
+        memory_pad_mask: torch.Tensor,
+        caches: list[Cache] | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """Like :meth:`decode`, but the decoder's final states (B, T, C) instead of logits."""
         x = self.decoder_embed(prev_output_tokens, self.embedding.weight, start)
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, memory_pad_mask, None if caches is None else caches[i])
-        return output_logits(self.decoder_final_norm(x), self.embedding.weight)
+        return self.decoder_final_norm(x)
 
     def forward(self, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
         """(B, S), (B, T) -> logits (B, T, V)."""
@@ -100,9 +118,15 @@ class EncoderDecoder(nn.Module):
 
     # ---- incremental decoding ---------------------------------------------------------------
 
-    def new_caches(self) -> list[Cache]:
+    def new_caches(self) -> list[DictCache]:
         """Empty key/value caches, one per decoder layer."""
         return [{} for _ in self.decoder_layers]
+
+    def new_step_caches(self, max_len: int) -> list[StepCache]:
+        """Preallocating caches for up to ``max_len`` one-position steps (beam search), one per
+        decoder layer. With them, ``decode_step`` takes memory and its padding mask with one
+        row per source sentence, and the token rows in groups of equal size per sentence."""
+        return [StepCache(max_len) for _ in self.decoder_layers]
 
     def decode_step(
         self,
@@ -111,15 +135,37 @@ class EncoderDecoder(nn.Module):
         memory_pad_mask: torch.Tensor,
         caches: list[Cache],
         step: int,
+        output_weight_t: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Last tokens (B,) at position ``step`` -> next-token logits (B, V), caches updated."""
-        return self.decode(tokens[:, None], memory, memory_pad_mask, caches, start=step)[:, 0]
+        """Last tokens (B,) at position ``step`` -> next-token logits (B, V), caches updated.
+
+        ``output_weight_t``: the embedding matrix transposed into a contiguous (C, V) copy
+        (:meth:`output_weight_t`), for a faster output matmul when decoding many steps.
+        """
+        if output_weight_t is None:
+            return self.decode(tokens[:, None], memory, memory_pad_mask, caches, start=step)[:, 0]
+        x = self.decode_features(tokens[:, None], memory, memory_pad_mask, caches, start=step)
+        return x[:, 0] @ output_weight_t
+
+    def output_weight_t(self) -> torch.Tensor:
+        """The output projection (the shared embedding matrix) as a contiguous (C, V) copy."""
+        return self.embedding.weight.detach().t().contiguous()
 
     @staticmethod
-    def reorder_caches(caches: list[Cache], new_order: torch.Tensor, cross: bool = True) -> None:
+    def reorder_caches(
+        caches: list[DictCache], new_order: torch.Tensor, cross: bool = True
+    ) -> None:
         """Keep batch rows ``new_order`` of every cache (beam search); ``cross=False`` skips
         the cross-attention entries (valid when rows move only among one sentence's beams)."""
         reorder_cache(caches, new_order, cross)
+
+    @staticmethod
+    def reorder_step_caches(
+        caches: list[StepCache], rows: torch.Tensor | None, sentences: torch.Tensor | None
+    ) -> None:
+        """Keep token rows ``rows`` and source sentences ``sentences`` of step caches (beam
+        search); None leaves that part as it is."""
+        reorder_step_caches(caches, rows, sentences)
 
 
 def build_model(cfg: ModelConfig, seed: int = 1) -> EncoderDecoder:
