@@ -188,16 +188,11 @@ class MultiheadAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, 1, self.dim)
 
 
-def reorder_cache(caches: list[DictCache], new_order: torch.Tensor, cross: bool = True) -> None:
-    """Select batch rows of every cached key/value in place (beam search).
-
-    ``cross=False`` leaves the cross-attention keys/values as they are: they depend only on
-    the source sentence, so a reorder among the beams of one sentence does not change them.
-    """
+def reorder_cache(caches: list[DictCache], new_order: torch.Tensor) -> None:
+    """Select batch rows of every cached key/value in place."""
     for cache in caches:
         for key, value in cache.items():
-            if cross or not key.startswith("cross_"):
-                cache[key] = value.index_select(0, new_order)
+            cache[key] = value.index_select(0, new_order)
 
 
 def reorder_step_caches(

@@ -152,12 +152,9 @@ class EncoderDecoder(nn.Module):
         return self.embedding.weight.detach().t().contiguous()
 
     @staticmethod
-    def reorder_caches(
-        caches: list[DictCache], new_order: torch.Tensor, cross: bool = True
-    ) -> None:
-        """Keep batch rows ``new_order`` of every cache (beam search); ``cross=False`` skips
-        the cross-attention entries (valid when rows move only among one sentence's beams)."""
-        reorder_cache(caches, new_order, cross)
+    def reorder_caches(caches: list[DictCache], new_order: torch.Tensor) -> None:
+        """Keep batch rows ``new_order`` of every dict cache."""
+        reorder_cache(caches, new_order)
 
     @staticmethod
     def reorder_step_caches(

@@ -74,10 +74,12 @@ def test_padding_does_not_change_the_statistics():
     pad = torch.zeros(1, 4, dtype=torch.long)
     padded = (torch.cat([src, pad], 1), torch.cat([prev, pad], 1), torch.cat([tgt, pad], 1))
     a, b = analyze(model, [(src, prev, tgt)]), analyze(model, [padded])
+    # fp32: a longer (padded) batch may take other kernels, so sums differ in the last bits
+    # (1e-8 relative seen on an AVX2-only CPU); padding itself would change them far more.
     for stack in ("encoder", "decoder"):
         for key in ("cosine", "sparsity"):
-            assert a[stack][key] == pytest.approx(b[stack][key], abs=1e-9)
-    assert a["nll"] == pytest.approx(b["nll"], rel=1e-9)
+            assert a[stack][key] == pytest.approx(b[stack][key], abs=1e-6)
+    assert a["nll"] == pytest.approx(b["nll"], rel=1e-6)
 
 
 def test_table_rows():
