@@ -1,5 +1,5 @@
 """Shared pieces of the fault suite and of tools/fault_sweep.py: the reference configuration,
-a 2-rank launcher that can inject faults, metrics and parameter-hash readers."""
+a launcher of gloo ranks that can inject faults, metrics and parameter-hash readers."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ BASE = [
 ]
 """A tiny deep-ish BranchNorm model with dropout and activation checkpointing on 2 stages."""
 COMPARED = ("loss", "nll_loss", "lr", "alpha", "grad_norm", "ids_hash")
+DP_WORLD = 4
+"""pp2 x dp2: BASE's 2 stages on 4 ranks. DeepSpeed numbers rank = stage * 2 + replica, so
+rank 3 is the last stage's second data-parallel replica."""
+DP_STEPS = 6
+DP_RUN = ["train.micro_batches=1", "train.save_interval=0"]
+"""The 4-rank runs: one micro-batch per replica, so an update takes the same 2 micro-batches
+from the sample stream as a 2-rank update (tiny_cpu: train.micro_batches=2)."""
+EQUIV_STEPS = 3
+EQUIV = ["model.dropout=0.0", "train.save_interval=0"]
+"""Dropout 0 runs, on 2 ranks with 2 micro-batches and on 4 ranks with 1 per replica: the
+data-parallel split must not change what an update computes."""
 
 
 def launch(
@@ -84,6 +95,26 @@ def last_by_step(save_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in records(save_dir)}
 
 
+def signal_when(
+    procs: list[subprocess.Popen],
+    save_dir: Path,
+    victim: int,
+    min_rows: int,
+    timeout: float = 240,
+    sig: int = signal.SIGKILL,
+) -> float:
+    """Send ``sig`` to rank ``victim`` once ``save_dir``/metrics.jsonl has ``min_rows`` rows
+    (or as soon as any rank has exited); returns the time it was sent."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(records(save_dir)) < min_rows:
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    if procs[victim].poll() is None:
+        os.kill(procs[victim].pid, sig)
+    return time.time()
+
+
 def kill_hard_when(
     procs: list[subprocess.Popen],
     save_dir: Path,
@@ -94,13 +125,7 @@ def kill_hard_when(
 ) -> tuple[float, list[int]]:
     """Send ``sig`` (SIGKILL) to rank ``victim`` once metrics.jsonl has ``min_rows`` rows;
     returns (seconds until every rank exited, exit codes)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and len(records(save_dir)) < min_rows:
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.05)
-    os.kill(procs[victim].pid, sig)
-    t0 = time.time()
+    t0 = signal_when(procs, save_dir, victim, min_rows, timeout, sig)
     codes = wait_all(procs, timeout=180)
     return time.time() - t0, codes
 
@@ -139,13 +164,13 @@ def kill_tree(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def assert_matches_reference(run: Path, ref: Path) -> None:
-    """Every step 1..STEPS of ``run`` equals the reference in COMPARED, and so do the final
+def assert_matches_reference(run: Path, ref: Path, steps: int = STEPS) -> None:
+    """Every step 1..steps of ``run`` equals the reference in COMPARED, and so do the final
     parameters."""
     got, want = last_by_step(run), last_by_step(ref)
-    assert sorted(got) == list(range(1, STEPS + 1))
+    assert sorted(got) == list(range(1, steps + 1))
     for step in got:
         for key in COMPARED:
             assert got[step][key] == want[step][key], (step, key)
-    tag = f"global_step{STEPS}"
+    tag = f"global_step{steps}"
     assert param_hash(run / tag) == param_hash(ref / tag)

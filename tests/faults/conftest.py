@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
-from tests.faults.common import STEPS, kill_hard_when, launch, records, wait_all
+from tests.faults.common import (
+    DP_WORLD,
+    STEPS,
+    kill_hard_when,
+    launch,
+    records,
+    signal_when,
+    wait_all,
+)
 from tests.pipeline.conftest import ROOT, launch_ranks
 
 
@@ -115,3 +123,20 @@ def one_rank_signals(tmp_path_factory) -> dict:
     if out["final_codes"] != [0, 0]:
         _fail(out["final_codes"], base / "end", "restart after the signals")
     return out
+
+
+@pytest.fixture(scope="session")
+def dp2_harness(tmp_path_factory) -> tuple[Path, dict]:
+    """tests/faults/harness.py on 4 ranks (pp2 x dp2): its ``usr1`` run gets SIGUSR1 on rank 3
+    only, after 2 updates. Returns the output directory and harness.json, with ``exit_s``: the
+    seconds from the signal until the last rank's Trainer returned."""
+    out = tmp_path_factory.mktemp("faults_dp2")
+    procs = launch_ranks([str(ROOT / "tests/faults/harness.py"), str(out)], DP_WORLD, out)
+    sent = signal_when(procs, out / "usr1", 3, min_rows=2, timeout=600, sig=signal.SIGUSR1)
+    codes = wait_all(procs, timeout=600)
+    if codes != [0] * DP_WORLD:
+        _fail(codes, out, "4-rank fault harness")
+    result = json.loads((out / "harness.json").read_text())
+    result["exit_s"] = max(r["returned_at"] for r in result["usr1"]) - sent
+    (out / "harness.json").write_text(json.dumps(result, indent=1))
+    return out, result

@@ -1,13 +1,18 @@
-"""Two gloo ranks, started once, run the in-process fault checks and write results.
+"""Gloo ranks, started once, run the in-process fault checks and write results.
 
-    RANK=r WORLD_SIZE=2 ... python tests/faults/harness.py OUT_DIR
+    RANK=r WORLD_SIZE=2|4 ... python tests/faults/harness.py OUT_DIR
 
-Runs (all with tests/faults/common.py's BASE config: dropout, activation checkpointing):
-``ref`` 12 updates (checkpoints at 4, 8, 12: the corruption matrix copies them); ``resume``
-6 updates, then a new Trainer resumes to 12 (golden resume); ``skip`` a NaN loss at update 3
-and an Inf gradient on stage 0 at update 5 (two skipped updates); ``stop``: 3 updates, then a
-resumed Trainer gets an Inf gradient at update 4 three times in a row with
-train.max_consecutive_skips=3 (must stop with parameters, moments and LR untouched).
+Runs (all with tests/faults/common.py's BASE config: dropout, activation checkpointing).
+On 2 ranks: ``ref`` 12 updates (checkpoints at 4, 8, 12: the corruption matrix copies them);
+``resume`` 6 updates, then a new Trainer resumes to 12 (golden resume); ``skip`` a NaN loss at
+update 3 and an Inf gradient on stage 0 at update 5 (two skipped updates); ``stop``: 3 updates,
+then a resumed Trainer gets an Inf gradient at update 4 three times in a row with
+train.max_consecutive_skips=3 (must stop with parameters, moments and LR untouched);
+``dp_equiv`` 3 updates with dropout 0.
+On 4 ranks (pp2 x dp2, one micro-batch per replica): ``ref`` 6 updates; ``usr1`` the same run,
+which the caller stops by sending SIGUSR1 to rank 3 alone (every Trainer must return the
+requeue code after checkpointing), then a new Trainer resumes it to 6; ``dp_equiv`` as on
+2 ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -23,9 +29,19 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
 from megatron_branchnorm.config import load_config  # noqa: E402
 from megatron_branchnorm.trainer import FAULT_ENV, Trainer, setup_process_env  # noqa: E402
-from tests.faults.common import BASE, STEPS  # noqa: E402
+from tests.faults.common import (  # noqa: E402
+    BASE,
+    DP_RUN,
+    DP_STEPS,
+    DP_WORLD,
+    EQUIV,
+    EQUIV_STEPS,
+    STEPS,
+    last_by_step,
+)
 
 
 def make(save_dir: Path, steps: int, *extra: str, fault: str = "") -> Trainer:
@@ -79,16 +95,41 @@ def same(a: dict, b: dict) -> dict[str, bool]:
     }
 
 
+def data_parallel_runs(out_dir: Path) -> dict:
+    """The 4-rank runs (module docstring); returns what harness.json records of them."""
+    make(out_dir / "ref", DP_STEPS, *DP_RUN).train()
+    stopped = make(out_dir / "usr1", DP_STEPS, *DP_RUN, fault="slow@0.3")
+    code = stopped.train()
+    per_rank = [None] * DP_WORLD
+    mine = {"code": code, "step": stopped.step, "returned_at": time.time()}
+    dist.all_gather_object(per_rank, mine)
+    out = {
+        "usr1": per_rank,
+        "usr1_tag": ckpt.resume_tag(out_dir / "usr1")[0],
+        "usr1_logged": max(last_by_step(out_dir / "usr1")),
+    }
+    out["restart_code"] = make(out_dir / "usr1", DP_STEPS, *DP_RUN).train()
+    make(out_dir / "dp_equiv", EQUIV_STEPS, *DP_RUN, *EQUIV).train()
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     setup_process_env()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    if dist.get_world_size() == DP_WORLD:
+        result = data_parallel_runs(out_dir)
+        if rank == 0:
+            (out_dir / "harness.json").write_text(json.dumps(result, indent=1))
+        dist.barrier()
+        return
     out: dict = {}
 
     make(out_dir / "ref", STEPS, "train.save_interval=4").train()
     make(out_dir / "resume", STEPS // 2, "train.save_interval=4").train()
     make(out_dir / "resume", STEPS, "train.save_interval=4").train()
+    make(out_dir / "dp_equiv", EQUIV_STEPS, *EQUIV).train()
 
     skip = make(out_dir / "skip", 6, "train.save_interval=0", fault="nan_loss@3,inf_grad@5:stage0")
     code = skip.train()
