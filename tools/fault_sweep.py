@@ -6,8 +6,9 @@
     python tools/fault_sweep.py --out runs/faults hang          # SIGSTOP a rank: timeout bound
 
 Each mode starts 2 gloo ranks of train.py (tests/faults/common.py's BASE config: tiny 2-2
-BranchNorm, dropout 0.1, activation checkpointing, 2 stages), compares against one
-uninterrupted reference run, prints a table and writes OUT/<mode>.json.
+BranchNorm, dropout 0.1, activation checkpointing, 2 stages), or with ``--world 4`` 4 ranks
+(2 stages x 2 data-parallel replicas; kill-points, soak), compares against one uninterrupted
+reference run on as many ranks, prints a table and writes OUT/<mode>.json (OUT/<mode>_w4.json).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from tests.faults.common import (  # noqa: E402
 )
 
 
-def reference(out: Path, steps: int) -> Path:
-    """The uninterrupted run (reused when present)."""
-    ref = out / "reference"
+def reference(out: Path, steps: int, world: int = 2) -> Path:
+    """The uninterrupted run on ``world`` ranks (reused when present)."""
+    ref = out / ("reference" if world == 2 else f"reference_w{world}")
     if not (ref / ckpt.tag_for(steps) / ckpt.MANIFEST).is_file():
         shutil.rmtree(ref, ignore_errors=True)
-        codes = wait_all(launch(ref, [f"train.max_steps={steps}", "train.save_interval=0"], ref))
-        if codes != [0, 0]:
+        over = [f"train.max_steps={steps}", "train.save_interval=0"]
+        codes = wait_all(launch(ref, over, ref, world=world))
+        if codes != [0] * world:
             sys.exit(f"reference run failed: {codes}")
     return ref
 
@@ -57,34 +59,56 @@ def compare(run: Path, ref: Path, steps: int) -> dict:
     return {"missing_steps": missing, "max_diff": diff, "final_params_equal": same}
 
 
-def kill_points(out: Path, steps: int) -> list[dict]:
+def kill_points(out: Path, steps: int, world: int = 2) -> list[dict]:
     """Cut the save at step 4 (checkpoints every 2) at each point on each rank; check which
     checkpoint a restart takes; restart to the end and compare with the reference."""
-    ref = reference(out, steps)
+    ref = reference(out, steps, world)
     rows = []
+    dp = world // 2  # BASE has 2 stages; rank = stage * dp + replica
     for point in SAVE_POINTS:
-        for rank in (0, 1):
-            if point in ("after_config", "after_manifest") and rank == 1:
+        for rank in range(world):
+            if point in ("after_config", "after_manifest") and rank != 0:
                 continue  # rank 0 alone writes these
-            run = out / "kill_points" / f"{point}_rank{rank}"
+            if point == "engine_file" and rank % dp:
+                continue  # DeepSpeed writes a stage's files from its first replica only
+            run = out / f"kill_points{'' if world == 2 else f'_w{world}'}" / f"{point}_rank{rank}"
             shutil.rmtree(run, ignore_errors=True)
             t0 = time.time()
             over = [f"train.max_steps={steps}", "train.save_interval=2"]
-            codes = wait_all(launch(run, over, run, fault=f"save_exit@{point}:rank{rank}:step4"))
+            fault = f"save_exit@{point}:rank{rank}:step4"
+            codes = wait_all(launch(run, over, run, fault=fault, world=world))
             seconds = time.time() - t0
             tag = ckpt.resume_tag(run)[0]
-            wait_all(launch(run, over, run))
-            rows.append(
-                {
-                    "point": point,
-                    "rank": rank,
-                    "exit_codes": codes,
-                    "run_seconds": round(seconds, 1),
-                    "resumed_from": tag,
-                    **compare(run, ref, steps),
-                }
+            t0 = time.time()
+            restart_codes = wait_all(launch(run, over, run, world=world))
+            row = {
+                "point": point,
+                "rank": rank,
+                "exit_codes": codes,
+                "run_seconds": round(seconds, 1),
+                "resumed_from": tag,
+                # only a save cut after its manifest is complete (and newer than latest)
+                "expected": ckpt.tag_for(4 if point == "after_manifest" else 2),
+                "restart_codes": restart_codes,
+                "restart_seconds": round(time.time() - t0, 1),
+                **compare(run, ref, steps),
+            }
+            row["matches_reference"] = (
+                restart_codes == [0] * world
+                and not row["missing_steps"]
+                and not any(row["max_diff"].values())
+                and row["final_params_equal"]
             )
-            print(rows[-1], flush=True)
+            rows.append(row)
+            print(row, flush=True)
+    print("| point | rank | exit codes | loaded | expected | restart matches reference | s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['point']} | {r['rank']} | {r['exit_codes']} | {r['resumed_from']} | "
+            f"{r['expected']} | {r['matches_reference']} | "
+            f"{r['run_seconds']} + {r['restart_seconds']} |"
+        )
     return rows
 
 
@@ -125,11 +149,11 @@ def _flip(data: bytes) -> bytes:
     return bytes(b)
 
 
-def soak(out: Path, steps: int, preemptions: int, hard_kills: int) -> dict:
+def soak(out: Path, steps: int, preemptions: int, hard_kills: int, world: int = 2) -> dict:
     """One run interrupted ``preemptions`` times by SIGUSR1/SIGTERM (to one rank or all) and
     ``hard_kills`` times by SIGKILL of one rank, each relaunch resuming; then compared."""
-    ref = reference(out, steps)
-    run = out / "soak"
+    ref = reference(out, steps, world)
+    run = out / ("soak" if world == 2 else f"soak_w{world}")
     shutil.rmtree(run, ignore_errors=True)
     over = [f"train.max_steps={steps}", "train.save_interval=3"]
     events = ["usr1_all", "usr1_one", "term_one", "term_all"] * preemptions
@@ -138,8 +162,8 @@ def soak(out: Path, steps: int, preemptions: int, hard_kills: int) -> dict:
     log, lost = [], 0
     for k, event in enumerate(plan):
         before = len(last_by_step(run))
-        procs = launch(run, over, run / "logs", fault="slow@0.2")
-        victim = k % 2
+        procs = launch(run, over, run / "logs", fault="slow@0.2", world=world)
+        victim = (k * 3) % world  # 2 ranks: 0, 1, 0, ...; 4 ranks: 0, 3, 2, 1, ...
         if event == "kill9":
             seconds, codes = kill_hard_when(procs, run, victim, min_rows=len(records(run)) + 2)
         else:
@@ -167,7 +191,7 @@ def soak(out: Path, steps: int, preemptions: int, hard_kills: int) -> dict:
             }
         )
         print(log[-1], before, flush=True)
-    codes = wait_all(launch(run, over, run / "logs"))
+    codes = wait_all(launch(run, over, run / "logs", world=world))
     result = {"events": log, "final_codes": codes, "steps_redone": lost, **compare(run, ref, steps)}
     ids = [r["ids_hash"] for _, r in sorted(last_by_step(run).items())]
     ref_ids = [r["ids_hash"] for _, r in sorted(last_by_step(ref).items())]
@@ -210,17 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preemptions", type=int, default=10)
     parser.add_argument("--hard-kills", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=30.0, help="hang: collective timeout")
+    parser.add_argument(
+        "--world", type=int, choices=[2, 4], default=2, help="ranks (kill-points, soak)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "kill-points":
-        result = kill_points(args.out, args.steps)
+        result = kill_points(args.out, args.steps, args.world)
     elif args.mode == "corruption":
         result = corruption(args.out, args.steps)
     elif args.mode == "soak":
-        result = soak(args.out, max(args.steps, 40), args.preemptions, args.hard_kills)
+        result = soak(args.out, max(args.steps, 40), args.preemptions, args.hard_kills, args.world)
     else:
         result = hang(args.out, args.timeout)
-    (args.out / f"{args.mode}.json").write_text(json.dumps(result, indent=1, default=str))
+    name = args.mode if args.world == 2 else f"{args.mode}_w{args.world}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str)[-3000:])
     return 0
 
