@@ -37,7 +37,7 @@ DP_WORLD = 4
 rank 3 is the last stage's second data-parallel replica."""
 DP_STEPS = 6
 DP_RUN = ["train.micro_batches=1", "train.save_interval=0"]
-"""The 4-rank runs: one micro-batch per replica, so an update takes the same 2 micro-batches
+"""The 4-rank runs (with train.max_steps=DP_STEPS): one micro-batch per replica, so an update takes the same 2 micro-batches
 from the sample stream as a 2-rank update (tiny_cpu: train.micro_batches=2)."""
 EQUIV_STEPS = 3
 EQUIV = ["model.dropout=0.0", "train.save_interval=0"]

@@ -12,12 +12,14 @@ import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
 from tests.faults.common import (
+    DP_RUN,
+    DP_STEPS,
     DP_WORLD,
     STEPS,
     kill_hard_when,
+    last_by_step,
     launch,
     records,
-    signal_when,
     wait_all,
 )
 from tests.pipeline.conftest import ROOT, launch_ranks
@@ -126,17 +128,29 @@ def one_rank_signals(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def dp2_harness(tmp_path_factory) -> tuple[Path, dict]:
-    """tests/faults/harness.py on 4 ranks (pp2 x dp2): its ``usr1`` run gets SIGUSR1 on rank 3
-    only, after 2 updates. Returns the output directory and harness.json, with ``exit_s``: the
-    seconds from the signal until the last rank's Trainer returned."""
+def dp2_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """pp2 x dp2 on 4 ranks: tests/faults/harness.py (``ref``, ``dp_equiv``), then the reference
+    run launched again and stopped by SIGUSR1 to rank 3 alone after 2 updates (``usr1``), then
+    restarted to the end. Returns the output directory and, for the signalled launch, the exit
+    codes, the seconds until every rank exited, the last step logged and the tag a restart
+    loads (also in dp2.json)."""
     out = tmp_path_factory.mktemp("faults_dp2")
     procs = launch_ranks([str(ROOT / "tests/faults/harness.py"), str(out)], DP_WORLD, out)
-    sent = signal_when(procs, out / "usr1", 3, min_rows=2, timeout=600, sig=signal.SIGUSR1)
     codes = wait_all(procs, timeout=600)
     if codes != [0] * DP_WORLD:
         _fail(codes, out, "4-rank fault harness")
-    result = json.loads((out / "harness.json").read_text())
-    result["exit_s"] = max(r["returned_at"] for r in result["usr1"]) - sent
-    (out / "harness.json").write_text(json.dumps(result, indent=1))
+    run, overrides = out / "usr1", [f"train.max_steps={DP_STEPS}", *DP_RUN]
+    procs = launch(run, overrides, out / "usr1_logs", fault="slow@0.3", world=DP_WORLD)
+    seconds, codes = kill_hard_when(procs, run, 3, min_rows=2, timeout=300, sig=signal.SIGUSR1)
+    result = {
+        "codes": codes,
+        "exit_s": seconds,
+        "logged": max(last_by_step(run), default=0),
+        "tag": ckpt.resume_tag(run)[0],
+    }
+    procs = launch(run, overrides, out / "restart_logs", world=DP_WORLD)
+    result["restart_codes"] = wait_all(procs, timeout=300)
+    if result["restart_codes"] != [0] * DP_WORLD:
+        _fail(result["restart_codes"], out / "restart_logs", "4-rank restart after SIGUSR1")
+    (out / "dp2.json").write_text(json.dumps(result, indent=1))
     return out, result

@@ -9,10 +9,8 @@ update 3 and an Inf gradient on stage 0 at update 5 (two skipped updates); ``sto
 then a resumed Trainer gets an Inf gradient at update 4 three times in a row with
 train.max_consecutive_skips=3 (must stop with parameters, moments and LR untouched);
 ``dp_equiv`` 3 updates with dropout 0.
-On 4 ranks (pp2 x dp2, one micro-batch per replica): ``ref`` 6 updates; ``usr1`` the same run,
-which the caller stops by sending SIGUSR1 to rank 3 alone (every Trainer must return the
-requeue code after checkpointing), then a new Trainer resumes it to 6; ``dp_equiv`` as on
-2 ranks.
+On 4 ranks (pp2 x dp2, one micro-batch per replica): ``ref`` 6 updates (the reference of the
+signal test in tests/faults/conftest.py::dp2_runs); ``dp_equiv`` as on 2 ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -29,7 +26,6 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
 from megatron_branchnorm.config import load_config  # noqa: E402
 from megatron_branchnorm.trainer import FAULT_ENV, Trainer, setup_process_env  # noqa: E402
 from tests.faults.common import (  # noqa: E402
@@ -40,7 +36,6 @@ from tests.faults.common import (  # noqa: E402
     EQUIV,
     EQUIV_STEPS,
     STEPS,
-    last_by_step,
 )
 
 
@@ -95,33 +90,14 @@ def same(a: dict, b: dict) -> dict[str, bool]:
     }
 
 
-def data_parallel_runs(out_dir: Path) -> dict:
-    """The 4-rank runs (module docstring); returns what harness.json records of them."""
-    make(out_dir / "ref", DP_STEPS, *DP_RUN).train()
-    stopped = make(out_dir / "usr1", DP_STEPS, *DP_RUN, fault="slow@0.3")
-    code = stopped.train()
-    per_rank = [None] * DP_WORLD
-    mine = {"code": code, "step": stopped.step, "returned_at": time.time()}
-    dist.all_gather_object(per_rank, mine)
-    out = {
-        "usr1": per_rank,
-        "usr1_tag": ckpt.resume_tag(out_dir / "usr1")[0],
-        "usr1_logged": max(last_by_step(out_dir / "usr1")),
-    }
-    out["restart_code"] = make(out_dir / "usr1", DP_STEPS, *DP_RUN).train()
-    make(out_dir / "dp_equiv", EQUIV_STEPS, *DP_RUN, *EQUIV).train()
-    return out
-
-
 def main() -> None:
     out_dir = Path(sys.argv[1])
     setup_process_env()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     if dist.get_world_size() == DP_WORLD:
-        result = data_parallel_runs(out_dir)
-        if rank == 0:
-            (out_dir / "harness.json").write_text(json.dumps(result, indent=1))
+        make(out_dir / "ref", DP_STEPS, *DP_RUN).train()
+        make(out_dir / "dp_equiv", EQUIV_STEPS, *DP_RUN, *EQUIV).train()
         dist.barrier()
         return
     out: dict = {}
