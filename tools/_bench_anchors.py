@@ -19,7 +19,11 @@ throwaway environment only):
   fairseq checkpoint with torch >= 2.6 needs ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``
   (:data:`ANCHOR_ENV` sets it). Its sdist lacks the C++ sources of its torch extensions
   (``fairseq/clib/libbase/balanced_assignment.cpp``, ``examples/operators/*``): setup.py
-  skips them (only the Cython data helpers are built; the translation model needs none).
+  skips them (only the Cython data helpers are built; the translation model needs none). At
+  inference a loaded encoder layer takes the "BetterTransformer" fast path
+  (``torch._transformer_encoder_layer_fwd``) without the mask type that torch >= 2 requires
+  ("Mask Type should be defined"): ``fairseq/modules/transformer_layer.py`` no longer marks a
+  loaded layer for it, so encoder and layers keep the plain path.
 - torchscale 0.3.0 imports ``timm.models.layers.drop_path``; timm imports torchvision, which
   fails beside the CPU torch. A stub ``timm`` package (drop_path only; unused at
   drop_path_rate 0) goes into the environment instead. fairscale 0.4.0 installs with
@@ -42,7 +46,7 @@ ANCHOR_DIR = Path(
 )
 ANCHOR_ENV = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 """Environment variables to set when running the anchors' python."""
-VERSION = "3"  # bump to rebuild the environment
+VERSION = "4"  # bump to rebuild the environment
 TORCH_WHEEL_DIR = Path("/opt/wheels")
 
 TIMM_STUB = '''"""Stub of timm for torchscale 0.3.0 (real timm imports torchvision, which fails beside
@@ -102,6 +106,14 @@ def patch_fairseq_source(root: Path) -> list[str]:
         )
         init.write_text(text)
         changed.append("fairseq/dataclass/initialize.py")
+    layer = root / "fairseq/modules/transformer_layer.py"
+    text = layer.read_text()
+    bt = "        self.load_to_BT = True\n"
+    if bt in text:  # the BetterTransformer path omits the mask type torch >= 2 requires
+        layer.write_text(
+            text.replace(bt, "        self.load_to_BT = False  # patched: no BT path\n")
+        )
+        changed.append("fairseq/modules/transformer_layer.py")
     return changed
 
 
