@@ -386,6 +386,75 @@ def train_leg(
     )
 
 
+def prepare_data(
+    out: Path,
+    corpus_dir: Path | None,
+    langs: list[str],
+    vocab_size: int,
+    status: Status,
+    timings: dict[str, float],
+) -> Path:
+    """Steps 1-2 of the demo: the locale corpus (``OUT/corpus``, unless ``corpus_dir`` is given)
+    and its DATA_DIR ``OUT/data``, each reused when it matches; returns the DATA_DIR. Seconds
+    taken go into ``timings``."""
+    logs = out / "logs"
+    py = sys.executable
+    corpus = corpus_dir
+    if corpus is None:
+        corpus = out / "corpus"
+        if (corpus / "locale_corpus.json").is_file() and data_matches(
+            out / "data", langs, vocab_size
+        ):
+            print(f"[1/7] corpus: reusing {corpus}", file=sys.stderr)
+        else:
+            if corpus.exists():
+                shutil.rmtree(corpus)
+            timings["corpus"] = run_logged(
+                [
+                    py,
+                    str(TOOLS / "build_locale_corpus.py"),
+                    "--output",
+                    str(corpus),
+                    "--langs",
+                    ",".join(langs),
+                ],
+                logs / "corpus.log",
+                "[1/7] corpus",
+                status,
+                EXPECTED_S["corpus"],
+            )
+    data = out / "data"
+    if data_matches(data, langs, vocab_size):
+        print(f"[2/7] preprocess: reusing {data}", file=sys.stderr)
+    else:
+        if data.exists():
+            shutil.rmtree(data)
+        timings["preprocess"] = run_logged(
+            [
+                py,
+                str(TOOLS / "preprocess_data.py"),
+                "--format",
+                "opus100",
+                "--input",
+                str(corpus),
+                "--langs",
+                ",".join(langs),
+                "--output",
+                str(data),
+                "--vocab-size",
+                str(vocab_size),
+                "--workers",
+                "2",
+                "--no-progress",
+            ],
+            logs / "preprocess.log",
+            "[2/7] preprocess",
+            status,
+            EXPECTED_S["preprocess"],
+        )
+    return data
+
+
 def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
     """Run every step into ``opts.out``; returns what went into ``opts.out/report.md``."""
     status = status or Status()
@@ -408,61 +477,8 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
     timings: dict[str, float] = {}
     t_all = time.time()
 
-    # 1. corpus
-    corpus = opts.corpus
-    if corpus is None:
-        corpus = out / "corpus"
-        if (corpus / "locale_corpus.json").is_file() and data_matches(
-            out / "data", langs, opts.vocab_size
-        ):
-            print(f"[1/7] corpus: reusing {corpus}", file=sys.stderr)
-        else:
-            if corpus.exists():
-                shutil.rmtree(corpus)
-            timings["corpus"] = run_logged(
-                [
-                    py,
-                    str(TOOLS / "build_locale_corpus.py"),
-                    "--output",
-                    str(corpus),
-                    "--langs",
-                    ",".join(langs),
-                ],
-                logs / "corpus.log",
-                "[1/7] corpus",
-                status,
-                EXPECTED_S["corpus"],
-            )
-    # 2. preprocess
-    data = out / "data"
-    if data_matches(data, langs, opts.vocab_size):
-        print(f"[2/7] preprocess: reusing {data}", file=sys.stderr)
-    else:
-        if data.exists():
-            shutil.rmtree(data)
-        timings["preprocess"] = run_logged(
-            [
-                py,
-                str(TOOLS / "preprocess_data.py"),
-                "--format",
-                "opus100",
-                "--input",
-                str(corpus),
-                "--langs",
-                ",".join(langs),
-                "--output",
-                str(data),
-                "--vocab-size",
-                str(opts.vocab_size),
-                "--workers",
-                "2",
-                "--no-progress",
-            ],
-            logs / "preprocess.log",
-            "[2/7] preprocess",
-            status,
-            EXPECTED_S["preprocess"],
-        )
+    # 1-2. corpus and DATA_DIR
+    data = prepare_data(out, opts.corpus, langs, opts.vocab_size, status, timings)
     # 3. train, two legs of one run
     save_dir = out / "train"
     for stale in (save_dir, out / "export", out / "eval", logs / "train.log"):

@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged  # noqa: E402
 from megatron_branchnorm.tokens import lang_tag  # noqa: E402
 
 SRC, TGT = "src", "tgt"  # the one fairseq "language pair": tagged source -> target
@@ -151,7 +152,6 @@ def parse_fairseq_log(path: Path) -> dict[str, Any]:
         last = rows["train_inner"][-1]
     if not last:
         raise SideBySideError(f"{path}: no training rows (fairseq-train failed? see the log)")
-    valid = rows["valid"]
     ln2 = math.log(2.0)
     curve = [
         {
@@ -159,7 +159,7 @@ def parse_fairseq_log(path: Path) -> dict[str, Any]:
             "valid_loss": float(v["valid_loss"]) * ln2,
             "valid_nll": float(v["valid_nll_loss"]) * ln2,
         }
-        for v in valid
+        for v in rows["valid"]
         if "valid_num_updates" in v
     ]
     return {
@@ -173,44 +173,19 @@ def parse_fairseq_log(path: Path) -> dict[str, Any]:
 # ---- running -------------------------------------------------------------------------------
 
 
-def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
-    """Run ``cmd`` with its output appended to ``log``; raise naming the log on failure."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if rc != 0:
-        raise SideBySideError(f"{cmd[0]} {' '.join(cmd[1:3])}... exited {rc}: see {log}")
-    return time.time() - start
-
-
 def build_data(out: Path, langs: str, vocab_size: int, from_demo: Path | None) -> Path:
     """``OUT/data`` (and ``OUT/corpus``): copied from a demo run or built as ``make demo`` does."""
-    corpus, data = out / "corpus", out / "data"
-    if (data / "manifest.json").is_file():
-        return data
-    if from_demo is not None:
+    if from_demo is not None and not (out / "data" / "manifest.json").is_file():
         for name in ("corpus", "data"):
             if not (from_demo / name).is_dir():
                 raise SideBySideError(f"--from-demo {from_demo}: no {name}/ (run make demo first)")
             shutil.copytree(from_demo / name, out / name, dirs_exist_ok=True)
-        return data
-    py = sys.executable
-    run(
-        [py, "tools/build_locale_corpus.py", "--output", str(corpus), "--langs", langs],
-        out / "logs" / "corpus.log",
-    )
-    run(
-        [
-            *(py, "tools/preprocess_data.py", "--format", "opus100", "--input", str(corpus)),
-            *("--langs", langs, "--output", str(data), "--vocab-size", str(vocab_size)),
-            *("--workers", "2", "--no-progress"),
-        ],
-        out / "logs" / "preprocess.log",
-    )
-    return data
+    return prepare_data(out, None, langs.split(","), vocab_size, Status(), {})
+
+
+def run_step(cmd: list[str], log: Path, label: str, env: dict[str, str] | None = None) -> None:
+    """One subprocess with its output in ``log`` and a status line (the demo's runner)."""
+    run_logged(cmd, log, label, Status(), 0.0, env=env)
 
 
 def fairseq_train_args(cfg: Any, bin_dir: Path, save_dir: Path, minutes: float) -> list[str]:
@@ -283,7 +258,7 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
         (text / "counts.json").write_text(json.dumps(counts, indent=1))
         if bin_dir.exists():
             shutil.rmtree(bin_dir)
-        run(
+        run_step(
             [
                 *(str(py), "-m", "fairseq_cli.preprocess", "--source-lang", SRC),
                 *("--target-lang", TGT, "--trainpref", str(text / "train")),
@@ -291,6 +266,7 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
                 *("--srcdict", str(text / "dict.txt"), "--joined-dictionary", "--workers", "1"),
             ],
             logs / "preprocess.log",
+            "fairseq: preprocess",
             env,
         )
         (bin_dir / "preprocess.done").write_text("")
@@ -302,15 +278,9 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
         if ckpt.exists():
             shutil.rmtree(ckpt)
         args = fairseq_train_args(cfg, bin_dir, ckpt, opts.minutes)
-        print(f"fairseq: training for {opts.minutes} minutes", file=sys.stderr)
-        wall = run([str(py), "-m", "fairseq_cli.train", *args], train_log, env)
-        (fs / "train_wall_s.txt").write_text(f"{wall:.1f}\n")
+        label = f"fairseq: train ({opts.minutes:g} minutes)"
+        run_step([str(py), "-m", "fairseq_cli.train", *args], train_log, label, env)
     training = parse_fairseq_log(train_log)
-    training["wall_s"] = (
-        float((fs / "train_wall_s.txt").read_text())
-        if (fs / "train_wall_s.txt").is_file()
-        else None
-    )
     # evaluation
     results = {}
     hyp_dir = fs / "hyp"
@@ -384,8 +354,7 @@ def run_ours(out: Path, scheme: str, opts: argparse.Namespace) -> dict[str, Any]
         for name in ("corpus", "data"):  # run_demo reuses matching corpus and data
             if not (run_dir / name).exists():
                 shutil.copytree(out / name, run_dir / name)
-        print(f"ours ({scheme}): training for {opts.minutes} minutes", file=sys.stderr)
-        run(
+        run_step(
             [
                 *(
                     sys.executable,
@@ -401,6 +370,7 @@ def run_ours(out: Path, scheme: str, opts: argparse.Namespace) -> dict[str, Any]
                 *("--set", f"model.residual={scheme}"),
             ],
             out / "logs" / f"ours-{scheme}.log",
+            f"ours {scheme}: make demo ({opts.minutes:g} minutes of training)",
         )
     return ours_result(run_dir, scheme)
 
@@ -504,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = report_lines(systems, args.minutes)
         (out / "report.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
-    except SideBySideError as exc:
+    except (SideBySideError, DemoError) as exc:
         print(f"fairseq_side_by_side: error: {exc}", file=sys.stderr)
         return 1
     return 0
