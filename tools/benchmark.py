@@ -338,36 +338,41 @@ def bench_trainstep(a: argparse.Namespace, work: Path) -> dict:
 
 
 def bench_pipeline(a: argparse.Namespace, work: Path) -> dict:
-    """1 stage (1 thread) vs 2 stages x 1 thread, against the bubble-limited ideal."""
+    """1 stage (1 thread) vs 2 stages x 1 thread, against the bubble-limited ideal.
+
+    Rounds interleave the 1-stage run and the 2-stage runs, so a drift of the machine's speed
+    moves the reference and the pipeline alike; figures are medians over all rounds' updates
+    (the first update of each run, which includes warm-up, is left out)."""
     base = [
         "model.encoder_layers=6", "model.decoder_layers=6", "model.hidden_size=128",
         "model.ffn_hidden_size=512", "model.num_attention_heads=4", "model.vocab_size=1000",
         "model.dropout=0.1", "data.max_tokens=256", "data.max_length=32",
     ]  # fmt: skip
     mbs = [8] if a.quick else [4, 8, 16]
-    steps = 3 if a.quick else 6
-    out = {}
-
-    def per_update(res: dict) -> float:
-        recs = res["records"][1:]  # the first update includes warm-up
-        toks = [r["tokens_per_sec"] for r in recs]
-        return statistics.median(toks)
-
-    save = work / "pipe1"
-    shutil.rmtree(save, ignore_errors=True)
-    r1 = train_run(
-        base + ["train.micro_batches=8", f"train.max_steps={steps}"], 1, 1, save, a.timeout
-    )
-    t1 = per_update(r1)  # tokens/s of one rank, one thread, whole model
-    out["1stage_tokens_per_s"] = t1
-    for m in mbs:
-        save = work / f"pipe2_m{m}"
+    steps = 3 if a.quick else 10
+    rounds = 1 if a.quick else 2
+    t1s: list[float] = []
+    t2s: dict[int, list[float]] = {m: [] for m in mbs}
+    for rnd in range(rounds):
+        save = work / f"pipe1_r{rnd}"
         shutil.rmtree(save, ignore_errors=True)
-        r2 = train_run(
-            base + [f"train.micro_batches={m}", f"train.max_steps={steps}", "pipeline.stages=2"],
-            2, 1, save, a.timeout,
-        )  # fmt: skip
-        t2 = per_update(r2)
+        r1 = train_run(
+            base + ["train.micro_batches=8", f"train.max_steps={steps}"], 1, 1, save, a.timeout
+        )
+        t1s += [r["tokens_per_sec"] for r in r1["records"][1:]]  # one rank, one thread
+        for m in mbs:
+            save = work / f"pipe2_m{m}_r{rnd}"
+            shutil.rmtree(save, ignore_errors=True)
+            r2 = train_run(
+                base + [f"train.micro_batches={m}", f"train.max_steps={steps}", "pipeline.stages=2"],
+                2, 1, save, a.timeout,
+            )  # fmt: skip
+            t2s[m] += [r["tokens_per_sec"] for r in r2["records"][1:]]
+        log(f"pipeline round {rnd + 1}/{rounds} done")
+    t1 = statistics.median(t1s)
+    out: dict = {"1stage_tokens_per_s": t1, "rounds": rounds, "updates_per_run": steps - 1}
+    for m in mbs:
+        t2 = statistics.median(t2s[m])
         ideal = t1 * 2 * m / (m + 1)  # p=2: t1 * p * m / (m + p - 1)
         out[f"2stage_m{m}"] = {"tokens_per_s": t2, "ideal": ideal, "frac_ideal": t2 / ideal}
         log(f"pipeline m={m}: {t2:.0f} tokens/s = {t2 / ideal:.0%} of ideal {ideal:.0f}")

@@ -3,7 +3,9 @@
     RANK=r WORLD_SIZE=2 ... python tests/pipeline/harness.py OUT_DIR
 
 Parity (same weights, same batch): the 2-stage pipeline's loss and gradients vs the flat
-model's, for each residual scheme, with activation checkpointing off and on. Then three
+model's, for each residual scheme, with activation checkpointing off and on; the batch goes
+through the pipeline as 2 micro-batches, and stage 0 (which sends both x_dec and memory) counts
+how often backward walks through its first encoder layer. Then three
 Trainer runs (2 stages, dropout 0): 20 steps uninterrupted, 10 steps, and a resume to 20.
 """
 
@@ -23,6 +25,7 @@ from megatron_branchnorm.partition import partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
+    install_backward_once,
     pipe_to_flat_key,
     set_pipeline_step,
 )
@@ -49,7 +52,8 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
     batch = collate(data, list(range(8)))
     loss_fn = PipeLoss(0.1)
     ntokens = batch["ntokens"]
-    loss_fn.scale = 1.0 / ntokens
+    micro = 2
+    loss_fn.scale = micro / ntokens  # DeepSpeed averages over micro-batches (PipeLoss)
     module = build_pipeline_module(cfg, parts, seed, loss_fn, ckpt_interval)
     set_pipeline_step(module, cfg, step)
     grads: dict[str, torch.Tensor] = {}
@@ -70,14 +74,25 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
     opt = Capture(module.parameters(), lr=0.0)
     ds = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": 1,
+        "gradient_accumulation_steps": micro,
+        "train_batch_size": micro,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
-    item = ((batch["src_tokens"], batch["prev_output_tokens"]), batch["target"])
-    loss = float(engine.train_batch(data_iter=iter([item])))
+    install_backward_once(engine)
+    walks = [0]
+    if engine.stage_id == 0:  # entry 1 is encoder layer 0
+        first = next(p for n, p in module.named_parameters() if n.startswith("1."))
+        first.register_post_accumulate_grad_hook(lambda _: walks.__setitem__(0, walks[0] + 1))
+    items = [  # two micro-batches of 4 sentences (same padding as the flat model's batch)
+        (
+            (batch["src_tokens"][i : i + 4], batch["prev_output_tokens"][i : i + 4]),
+            batch["target"][i : i + 4],
+        )
+        for i in (0, 4)
+    ]
+    loss = float(engine.train_batch(data_iter=iter(items)))  # mean over micro-batches
 
     flat = build_model(cfg, seed)
     flat.set_step(step)
@@ -91,7 +106,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
         worst = max(worst, float((g - r).norm() / max(float(r.norm()), 1e-12)))
     key = f"{scheme}_ckpt{ckpt_interval}"
     gathered = [None, None]
-    dist.all_gather_object(gathered, {"n": len(grads), "worst": worst})
+    dist.all_gather_object(gathered, {"n": len(grads), "worst": worst, "walks": walks[0]})
     if rank == 0:
         out["parity"][key] = {
             "loss": loss,
@@ -99,6 +114,8 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
             "grad_params": sum(g["n"] for g in gathered),
             "flat_params": len(ref),
             "worst_rel_grad_err": max(g["worst"] for g in gathered),
+            "micro_batches": micro,
+            "stage0_encoder_walks": gathered[0]["walks"],
         }
 
 

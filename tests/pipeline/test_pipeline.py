@@ -35,6 +35,9 @@ def test_two_stage_matches_flat_model(harness, scheme, ckpt):
     # every flat parameter got a gradient (the tied embedding on both stages: +1)
     assert result["grad_params"] == result["flat_params"] + 1
     assert result["worst_rel_grad_err"] <= 1e-5
+    # stage 0 sends (x_dec, memory): backward walks its encoder once per micro-batch, not
+    # once per float output (DeepSpeed's own method: 2x; pipeline.install_backward_once)
+    assert result["stage0_encoder_walks"] == result["micro_batches"] == 2
 
 
 def test_resume_is_exact(harness):
