@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_branchnorm.config import ModelConfig
+from megatron_branchnorm.model.dropout import Dropout
 from megatron_branchnorm.model.residual import layer_generator
 from megatron_branchnorm.tokens import PAD_ID
 
@@ -53,7 +54,7 @@ class Embed(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.scale = math.sqrt(cfg.hidden_size)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.register_buffer(
             "positions", sinusoidal_table(cfg.max_positions, cfg.hidden_size), persistent=False
         )

@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model.attention import Cache, MultiheadAttention
+from megatron_branchnorm.model.dropout import Dropout
 from megatron_branchnorm.model.residual import Residual, init_sublayer, layer_generator
 
 
@@ -20,7 +21,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
         self.act = F.relu if activation == "relu" else F.gelu
-        self.activation_dropout = nn.Dropout(activation_dropout)
+        self.activation_dropout = Dropout(activation_dropout)
 
     def projections(self) -> list[tuple[nn.Linear, tuple[bool, ...]]]:
         """Both FFN matrices are branch projections (DeepNet init)."""

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_branchnorm.model.dropout import Dropout
+
 logger = logging.getLogger(__name__)
 
 
@@ -252,7 +254,7 @@ class Residual(nn.Module):
         super().__init__()
         self.scheme = Scheme(scheme)
         self.norm = LayerNorm(dim, eps, layernorm_impl)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.alpha = float(alpha)  # DeepNorm's constant residual weight
         self.branch_scale = 1.0  # BranchNorm's alpha_t, set from the step before each update
 
