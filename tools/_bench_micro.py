@@ -3,6 +3,7 @@
     python tools/_bench_micro.py                 # loss and Adam variants, interleaved, medians
     python tools/_bench_micro.py --profile ours  # op profile of one model step (12L-12L)
     python tools/_bench_micro.py --profile ours --bf16
+    python tools/_bench_micro.py --dropout-ab    # our CPU dropout vs F.dropout, alone and in a step
 
 Variants timed in one run: the label-smoothed loss (reference log_softmax form vs the fused
 autograd function, forward + backward on (2048, 8000) logits) and Adam over our 12L-12L
@@ -62,6 +63,49 @@ def micro(a: argparse.Namespace) -> None:
         print(f"{k:<16} median {statistics.median(v) * 1e3:8.1f} ms  (n={len(v)})")
 
 
+def dropout_ab(a: argparse.Namespace) -> None:
+    """model/dropout.py against F.dropout: forward + backward on one (B, T, C) activation, then
+    whole model steps of ours with each (same process and weights, order alternating)."""
+    import torch.nn.functional as F
+
+    from megatron_branchnorm.model import dropout as ours
+
+    fast = ours.dropout
+    variants = {"ours": fast, "F.dropout": lambda x, p, training=True: F.dropout(x, p, training)}
+    x = torch.randn(a.batch, a.src, a.dim, requires_grad=True)
+    g = torch.randn_like(x)
+    res: dict[str, list[float]] = {}
+    for _ in range(40):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(x, a.dropout, True).backward(g)
+            res.setdefault(name, []).append(time.perf_counter() - t0)
+            x.grad = None
+    torch.manual_seed(0)
+    model = bm.build_ours(a)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batch = bm.make_batch(a.batch, a.src, a.tgt, a.vocab)
+    bm.train_step(model, opt, batch, False)
+    steps: dict[str, list[float]] = {}
+    for r in range(a.reps):
+        for name in list(variants)[:: 1 if r % 2 == 0 else -1]:
+            ours.dropout = variants[name]  # what every Dropout module calls
+            t0 = time.perf_counter()
+            bm.train_step(model, opt, batch, False)
+            steps.setdefault(name, []).append(time.perf_counter() - t0)
+    ours.dropout = fast
+    print(f"load {os.getloadavg()}")
+    for name in variants:
+        print(
+            f"{name:<10} fwd+bwd {statistics.median(res[name]) * 1e3:6.2f} ms   "
+            f"model step {statistics.median(steps[name]):6.3f} s  (n={len(steps[name])})"
+        )
+    r1 = statistics.median(res["F.dropout"]) / statistics.median(res["ours"])
+    r2 = statistics.median(steps["F.dropout"]) / statistics.median(steps["ours"])
+    print(f"ours faster: dropout alone {r1:.2f}x, model step {r2:.3f}x")
+
+
 def profile(a: argparse.Namespace) -> None:
     from torch.profiler import profile as prof
 
@@ -82,9 +126,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", choices=bm.IMPLS, default=None)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--dropout-ab", action="store_true", help="our dropout vs F.dropout")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    profile(a) if a.profile else micro(a)
+    if a.dropout_ab:
+        dropout_ab(a)
+    elif a.profile:
+        profile(a)
+    else:
+        micro(a)
 
 
 if __name__ == "__main__":
