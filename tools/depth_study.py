@@ -342,16 +342,39 @@ def max_grad_norm(result: dict[str, Any], first: int) -> float | None:
     return max(values) if values else None
 
 
-def table(results: list[dict[str, Any]], first: int) -> str:
-    """Markdown table: one row per cell."""
-    lines = [
-        f"| scheme | layers | status | steps | loss @1 | final loss | valid loss "
-        f"| max grad norm (first {first}) | train s | wall s | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+SHORT = {"branchnorm_steps": "T", "warmup": "wu", "width": "d", "micro_batches": "mb"}
+
+
+def setting_labels(results: list[dict[str, Any]]) -> list[str]:
+    """Per result, the settings in which the results differ ("lr=0.02 wu=50"); all empty when
+    they share one setting (one invocation's cells)."""
+    keys = sorted({k for r in results for k in r.get("settings", {})})
+    varying = [k for k in keys if len({repr(r.get("settings", {}).get(k)) for r in results}) > 1]
+    return [
+        " ".join(
+            f"{SHORT.get(k, k)}={r.get('settings', {}).get(k, '?'):g}"
+            if isinstance(r.get("settings", {}).get(k), float)
+            else f"{SHORT.get(k, k)}={r.get('settings', {}).get(k, '?')}"
+            for k in varying
+        )
+        for r in results
     ]
-    for r in results:
+
+
+def table(results: list[dict[str, Any]], first: int) -> str:
+    """Markdown table: one row per cell (with a settings column when the cells differ in more
+    than scheme and depth, as under one --out after several invocations)."""
+    labels = setting_labels(results)
+    extra = any(labels)
+    lines = [
+        f"| scheme | layers |{' settings |' if extra else ''} status | steps | loss @1 "
+        f"| final loss | valid loss | max grad norm (first {first}) | train s | wall s | note |",
+        "|---|---|" + ("---|" if extra else "") + "---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, label in zip(results, labels, strict=True):
         lines.append(
-            f"| {r['scheme']} | {r['layers']}L-{r['layers']}L | {r['status']} | {r['steps_done']} "
+            f"| {r['scheme']} | {r['layers']}L-{r['layers']}L |{f' {label} |' if extra else ''}"
+            f" {r['status']} | {r['steps_done']} "
             f"| {_num(r['initial_loss'])} | {_num(r['final_loss'])} | {_num(r['valid_loss'])} "
             f"| {_num(max_grad_norm(r, first), 2)} | {_num(r['train_s'], 0)} "
             f"| {_num(r['wall_s'], 0)} | {r['reason'] or ('time limit' if r['time_limited'] else '')} |"
@@ -372,10 +395,14 @@ def plot(results: list[dict[str, Any]], output: Path, first: int) -> Path:
         2, len(depths), figsize=(4.2 * len(depths), 6.5), squeeze=False, constrained_layout=True
     )
     colours = dict(zip(SCHEMES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    labels = setting_labels(results)
+    styles = {lab: ("-", "--", ":", "-.")[i % 4] for i, lab in enumerate(dict.fromkeys(labels))}
     for col, depth in enumerate(depths):
         for row, key in enumerate(("grad_norm", "loss")):
             ax = axes[row][col]
-            for r in (r for r in results if r["layers"] == depth):
+            for r, setting in (
+                (r, lab) for r, lab in zip(results, labels, strict=True) if r["layers"] == depth
+            ):
                 pts = [
                     (s, v)
                     for s, v in zip(r["series"]["step"], r["series"][key], strict=True)
@@ -384,8 +411,12 @@ def plot(results: list[dict[str, Any]], output: Path, first: int) -> Path:
                 if not pts:
                     continue
                 xs, ys = zip(*pts, strict=True)
-                label = r["scheme"] + (" (diverged)" if r["status"] == "diverged" else "")
-                ax.plot(xs, ys, color=colours.get(r["scheme"]), linewidth=1.2, label=label)
+                label = " ".join(x for x in (r["scheme"], setting) if x)
+                label += " (diverged)" if r["status"] == "diverged" else ""
+                ax.plot(
+                    xs, ys, styles[setting], color=colours.get(r["scheme"]), linewidth=1.2,
+                    label=label,
+                )  # fmt: skip
                 if r["status"] == "diverged":
                     ax.plot(xs[-1], ys[-1], "x", color=colours.get(r["scheme"]), markersize=8)
             if key == "grad_norm":

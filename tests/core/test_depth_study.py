@@ -123,6 +123,25 @@ def test_resume_and_report_only(tmp_path, capsys):
     assert code == 0 and "| branchnorm | 6L-6L |" in capsys.readouterr().out
 
 
+def test_report_only_names_the_settings_that_differ(tmp_path, capsys):
+    s = study.settings_of(study.parse_args(["--steps", "40"]))
+    hot = dict(s, lr=0.02, warmup=10)
+    cells = tmp_path / "cells"
+    for setting in (s, hot):
+        for scheme in ("postln", "branchnorm"):
+            fake_result(cells / study.cell_name(scheme, 6, setting), scheme, 6, setting)
+    assert study.main(["--out", str(tmp_path), "--report-only", "--depths", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "| scheme | layers | settings | status |" in out
+    assert "| postln | 6L-6L | lr=0.005 wu=0 | ok |" in out
+    assert "| branchnorm | 6L-6L | lr=0.02 wu=10 | ok |" in out
+    # one setting: no settings column, as before
+    assert study.setting_labels([{"settings": s}, {"settings": s}]) == ["", ""]
+    assert "settings" not in study.table(
+        [json.loads((cells / study.cell_name("postln", 6, s) / study.RESULT).read_text())], 5
+    )
+
+
 def make_manifest(root: Path) -> Path:
     data = root / "data"
     data.mkdir(exist_ok=True)
