@@ -256,7 +256,7 @@ def _backward_once(engine: PipelineEngine, buffer_id: int) -> None:
     once per float output. Our boundary carries (x_dec, memory) past the stage where the
     decoder starts, and x_dec depends on memory: the second call walked back through the
     whole encoder (and embedding) a second time. That stage's backward took 2.7x its forward
-    instead of 1.4x, and the 2-stage pipeline ran at ~61% of its bubble-limited ideal
+    instead of 1.4x, and the 2-stage pipeline ran at 61-70% of its bubble-limited ideal
     (docs/performance.md). ``torch.autograd.backward`` over the tuple accumulates the same
     gradients in one walk. The other cases (last stage, partitioned activations, a single
     output) go to DeepSpeed's own method.
