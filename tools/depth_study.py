@@ -348,17 +348,14 @@ SHORT = {"branchnorm_steps": "T", "warmup": "wu", "width": "d", "micro_batches":
 def setting_labels(results: list[dict[str, Any]]) -> list[str]:
     """Per result, the settings in which the results differ ("lr=0.02 wu=50"); all empty when
     they share one setting (one invocation's cells)."""
-    keys = sorted({k for r in results for k in r.get("settings", {})})
-    varying = [k for k in keys if len({repr(r.get("settings", {}).get(k)) for r in results}) > 1]
-    return [
-        " ".join(
-            f"{SHORT.get(k, k)}={r.get('settings', {}).get(k, '?'):g}"
-            if isinstance(r.get("settings", {}).get(k), float)
-            else f"{SHORT.get(k, k)}={r.get('settings', {}).get(k, '?')}"
-            for k in varying
-        )
-        for r in results
-    ]
+    settings = [r.get("settings", {}) for r in results]
+    keys = sorted({k for s in settings for k in s})
+    varying = [k for k in keys if len({repr(s.get(k)) for s in settings}) > 1]
+
+    def show(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else str("?" if v is None else v)
+
+    return [" ".join(f"{SHORT.get(k, k)}={show(s.get(k))}" for k in varying) for s in settings]
 
 
 def table(results: list[dict[str, Any]], first: int) -> str:
