@@ -20,6 +20,8 @@ Sections (``--sections``, comma-separated; default all):
   rank, parameters per rank.
 - ``beam``: beam search (beam 4) sentences/s, ours (and ours at ``--baseline``, in the same
   process) vs transformers generate on our HF export; ``--beam-reps``, ``--beam-sentences``.
+  Random weights by default (every sentence runs to its length limit); ``--beam-export E
+  --beam-data D`` times a trained export on the first test sentences of each direction of D.
 - ``preprocess``: tools/preprocess_data.py sentence pairs/s on a locale corpus.
 
 Always record the machine load: timings on a shared machine are noisy; ratios within one run
@@ -437,22 +439,16 @@ def _import_beam_tree(root: str) -> tuple:
     return config.ModelConfig, model.build_model, search.beam_search
 
 
-def bench_beam(a: argparse.Namespace, work: Path) -> dict:
-    """Sentences/s of beam search (beam 4, lenpen 0.6) on the same weights: ours (and with
-    ``--baseline``, ours at that revision) and MarianMTModel.generate on our HF export,
-    interleaved; figures are medians over ``--beam-reps`` repetitions."""
-    import dataclasses
-
+def _beam_random(a: argparse.Namespace):
+    """(model, [src batch], banned ids, description): random Post-LN weights, one batch of
+    random source sentences (random weights rarely emit EOS: every sentence runs to its
+    length limit)."""
     import torch
-    from transformers import MarianMTModel
 
     from megatron_branchnorm.config import ModelConfig
-    from megatron_branchnorm.inference.beam_search import beam_search
-    from megatron_branchnorm.inference.hf_export import export_hf
     from megatron_branchnorm.model import build_model
     from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 
-    torch.set_num_threads(a.threads)
     layers = 6
     cfg = ModelConfig(
         encoder_layers=layers, decoder_layers=layers, hidden_size=a.dim, ffn_hidden_size=a.ffn,
@@ -460,38 +456,105 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
         max_positions=128,
     )  # fmt: skip
     model = build_model(cfg).eval()
-    hf_dir = work / "hf"
-    export_hf(model, hf_dir, verify=False)
-    hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
     g = torch.Generator().manual_seed(0)
     nsent = a.beam_sentences or (16 if a.quick else 32)
     slen = 12 if a.quick else 16
     src = torch.randint(EOS_ID + 1, a.vocab, (nsent, slen), generator=g)
     src[:, -1] = EOS_ID
-    limit = int(1.2 * slen + 10)
-    banned = [PAD_ID, BOS_ID]
+    desc = (
+        f"random weights, {layers}L-{layers}L d={a.dim} vocab={a.vocab}, "
+        f"{nsent} random sentences of {slen}"
+    )
+    return model, [src], [PAD_ID, BOS_ID], desc
+
+
+def _beam_export(a: argparse.Namespace):
+    """(model, [src batch per direction], banned ids, description): a trained export and the
+    first ``--beam-sentences`` (0: 32) test sentences of every direction of ``--beam-data``,
+    encoded as translate.py encodes them; a direction's sentences are one batch."""
+    import torch
+
+    from megatron_branchnorm.inference.evaluate import references_from_manifest
+    from megatron_branchnorm.inference.translate import Translator
+    from megatron_branchnorm.tokens import PAD_ID
+
+    tr = Translator.from_export(a.beam_export)
+    per_dir = a.beam_sentences or 32
+    batches, total = [], 0
+    for d in references_from_manifest(a.beam_data, "test").values():
+        lines = [x for x in d.src_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        encoded = [tr.encode(x, d.tgt_lang) for x in lines[:per_dir]]
+        src = torch.full((len(encoded), max(map(len, encoded))), PAD_ID, dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            src[row, : len(ids)] = torch.tensor(ids)
+        batches.append(src)
+        total += len(encoded)
+    c = tr.model.cfg
+    desc = (
+        f"export {a.beam_export} ({c.residual} {c.encoder_layers}L-{c.decoder_layers}L "
+        f"d={c.hidden_size} vocab={c.vocab_size}), {total} test sentences of {a.beam_data} "
+        f"({len(batches)} directions, a batch each)"
+    )
+    return tr.model, batches, tr.banned_ids, desc
+
+
+def bench_beam(a: argparse.Namespace, work: Path) -> dict:
+    """Sentences/s of beam search (beam 4, lenpen 0.6) on the same weights: ours (and with
+    ``--baseline``, ours at that revision) and MarianMTModel.generate on our HF export,
+    interleaved; figures are medians over ``--beam-reps`` repetitions. Random weights, or with
+    ``--beam-export``/``--beam-data`` a trained export on real test sentences."""
+    import dataclasses
+
+    import torch
+    from transformers import MarianMTModel
+
+    from megatron_branchnorm.inference.beam_search import beam_search, max_lengths
+    from megatron_branchnorm.inference.hf_export import export_hf
+    from megatron_branchnorm.tokens import EOS_ID, PAD_ID
+
+    torch.set_num_threads(a.threads)
+    if a.beam_export:
+        model, batches, banned, desc = _beam_export(a)
+    else:
+        model, batches, banned, desc = _beam_random(a)
+    hf_dir = work / "hf"
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    export_hf(model, hf_dir, verify=False)
+    hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
+    hf.generation_config.max_length = None  # max_new_tokens below sets the limit
+    nsent = sum(len(src) for src in batches)
+    # generate takes one length limit per batch: the longest of ours (1.2 x src + 10) in it.
+    limits = [int(max_lengths(src, 1.2, 10, model.cfg.max_positions).max()) for src in batches]
 
     def search_fn(search, net):
         def run() -> list:
-            hyps = search(net, src, beam=4, lenpen=0.6, banned_ids=banned)
-            return [h[0].tokens for h in hyps]
+            out = []
+            for src in batches:
+                hyps = search(net, src, beam=4, lenpen=0.6, banned_ids=banned)
+                out += [h[0].tokens for h in hyps]
+            return out
 
         return run
 
     def theirs() -> list:
+        out = []
         with torch.no_grad():
-            out = hf.generate(
-                input_ids=src, attention_mask=src.ne(PAD_ID).long(), num_beams=4,
-                length_penalty=0.6, max_new_tokens=limit + 1, early_stopping=True,
-                do_sample=False,
-            )  # fmt: skip
-        return [[t for t in row[1:] if t not in (PAD_ID, EOS_ID)] for row in out.tolist()]
+            for src, limit in zip(batches, limits, strict=True):
+                ids = hf.generate(
+                    input_ids=src, attention_mask=src.ne(PAD_ID).long(), num_beams=4,
+                    length_penalty=0.6, max_new_tokens=limit + 1, early_stopping=True,
+                    do_sample=False, bad_words_ids=[[i] for i in banned],
+                )  # fmt: skip
+                out += [[t for t in row[1:] if t not in (PAD_ID, EOS_ID)] for row in ids.tolist()]
+        return out
 
     fns = {"ours": search_fn(beam_search, model)}
     if a.base:
         base_config, base_build, base_search = _import_beam_tree(a.base)
-        base_model = base_build(base_config(**dataclasses.asdict(cfg))).eval()
+        base_model = base_build(base_config(**dataclasses.asdict(model.cfg))).eval()
         base_model.load_state_dict(model.state_dict())
+        if hasattr(model, "step") and hasattr(base_model, "set_step"):
+            base_model.set_step(model.step)
         fns["base"] = search_fn(base_search, base_model)
     fns["hf"] = theirs
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -504,7 +567,7 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
             fns[name]()
             times[name].append(time.perf_counter() - t0)
     res = {
-        "config": f"{layers}L-{layers}L d={a.dim} vocab={a.vocab}, {nsent} sentences of {slen}",
+        "config": desc,
         "threads": a.threads,
         "reps": reps,
         "times_s": {name: [round(t, 3) for t in ts] for name, ts in times.items()},
@@ -514,6 +577,11 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
         res[f"{name}_sent_per_s"] = nsent / statistics.median(ts)
     res["ratio"] = res["ours_sent_per_s"] / res["hf_sent_per_s"]
     res["same_as_hf"] = sum(x == y for x, y in zip(outs["ours"], outs["hf"], strict=True))
+    res["sentences"] = nsent
+    # ours stops a sentence at its own limit, generate at its batch's longest: a sentence that
+    # reaches its limit may differ for that reason alone
+    own = torch.cat([max_lengths(src, 1.2, 10, model.cfg.max_positions) for src in batches])
+    res["ours_at_limit"] = sum(len(h) >= n for h, n in zip(outs["ours"], own.tolist(), strict=True))
     if "base" in fns:
         res["ratio_base"] = res["base_sent_per_s"] / res["hf_sent_per_s"]
         res["ours_over_base"] = res["ours_sent_per_s"] / res["base_sent_per_s"]
@@ -605,8 +673,21 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per train.py run (s)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--beam-sentences", type=int, default=0, help="beam: sentences (0: 32)")
+    p.add_argument(
+        "--beam-sentences",
+        type=int,
+        default=0,
+        help="beam: sentences (per direction with --beam-export; 0: 32)",
+    )
     p.add_argument("--beam-reps", type=int, default=0, help="beam: timed repetitions (0: 3)")
+    p.add_argument(
+        "--beam-export",
+        default=None,
+        help="beam: a trained export (tools/convert_checkpoint.py) instead of random weights",
+    )
+    p.add_argument(
+        "--beam-data", default=None, help="beam: with --beam-export, its DATA_DIR (test split)"
+    )
     p.add_argument(
         "--baseline",
         default=None,
@@ -619,6 +700,8 @@ def main() -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)} (of {', '.join(SECTIONS)})")
+    if bool(a.beam_export) != bool(a.beam_data):
+        p.error("--beam-export and --beam-data go together")
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="mbn_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     a.base = None
