@@ -4,6 +4,7 @@
     python tools/_bench_micro.py --profile ours  # op profile of one model step (12L-12L)
     python tools/_bench_micro.py --profile ours --bf16
     python tools/_bench_micro.py --dropout-ab    # our CPU dropout vs F.dropout, alone and in a step
+    python tools/_bench_micro.py --compile-ab    # the residual tail LN(x + a*drop(y)), eager vs compiled
 
 Variants timed in one run: the label-smoothed loss (reference log_softmax form vs the fused
 autograd function, forward + backward on (2048, 8000) logits) and Adam over our 12L-12L
@@ -106,6 +107,57 @@ def dropout_ab(a: argparse.Namespace) -> None:
     print(f"ours faster: dropout alone {r1:.2f}x, model step {r2:.3f}x")
 
 
+def compile_ab(a: argparse.Namespace) -> None:
+    """The residual block's tail LN(x + alpha * dropout(y)), forward + backward on one (B, T, C)
+    activation: eager (our dropout, or F.dropout) against ``torch.compile`` of the same function
+    (inductor fuses dropout, add and LayerNorm into generated C++ kernels), with and without
+    dropout; compile time reported; same process, order alternating, medians."""
+    import torch.nn.functional as F
+
+    from megatron_branchnorm.model.dropout import dropout as ours
+
+    def tail(drop):
+        def fn(x, y, w, b):
+            z = torch.add(x, drop(y, a.dropout, True), alpha=0.5)
+            return F.layer_norm(z, w.shape, w, b, 1e-5)
+
+        return fn
+
+    def plain(x, y, w, b):
+        return F.layer_norm(torch.add(x, y, alpha=0.5), w.shape, w, b, 1e-5)
+
+    x = torch.randn(a.batch, a.src, a.dim, requires_grad=True)
+    y = torch.randn_like(x, requires_grad=True)
+    w = torch.ones(a.dim, requires_grad=True)
+    b = torch.zeros(a.dim, requires_grad=True)
+    g = torch.randn_like(x)
+    variants = {
+        "eager, our dropout": tail(ours),
+        "eager, F.dropout": tail(lambda t, p, training: F.dropout(t, p, training)),
+        "compiled, F.dropout": torch.compile(
+            tail(lambda t, p, training: F.dropout(t, p, training))
+        ),
+        "eager, no dropout": plain,
+        "compiled, no dropout": torch.compile(plain),
+    }
+    for name, fn in variants.items():  # the first call compiles
+        t0 = time.perf_counter()
+        fn(x, y, w, b).backward(g)
+        print(f"{name:<22} first call {time.perf_counter() - t0:6.1f} s")
+    res: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(max(a.reps, 3) * 4):
+        for name in list(variants)[:: 1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            variants[name](x, y, w, b).backward(g)
+            res[name].append(time.perf_counter() - t0)
+    print(f"load {os.getloadavg()}; ({a.batch}, {a.src}, {a.dim}), p={a.dropout}")
+    for name, v in res.items():
+        print(f"{name:<22} fwd+bwd {statistics.median(v) * 1e3:7.2f} ms  (n={len(v)})")
+    for kind, ref in (("F.dropout", "eager, our dropout"), ("no dropout", "eager, no dropout")):
+        ratio = statistics.median(res[f"compiled, {kind}"]) / statistics.median(res[ref])
+        print(f"compiled ({kind}) / {ref}: {ratio:.2f}x the time")
+
+
 def profile(a: argparse.Namespace) -> None:
     from torch.profiler import profile as prof
 
@@ -127,10 +179,13 @@ def main() -> None:
     p.add_argument("--profile", choices=bm.IMPLS, default=None)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--dropout-ab", action="store_true", help="our dropout vs F.dropout")
+    p.add_argument("--compile-ab", action="store_true", help="residual tail: eager vs compiled")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.dropout_ab:
         dropout_ab(a)
+    elif a.compile_ab:
+        compile_ab(a)
     elif a.profile:
         profile(a)
     else:
