@@ -26,9 +26,10 @@ class StepCache:
 
     Self-attention keys/values live in a time-major buffer (T_max, 2, B, C): a step writes
     one slot (no concatenation), and :meth:`reorder` copies the filled slots into a spare
-    buffer of the same layout (double buffering). Cross-attention keys/values are held once
-    per source sentence, (N, H, S, Dh): the B query rows are N groups of B / N consecutive
-    rows (the beams of a sentence), and :meth:`select_sentences` follows sentences leaving.
+    buffer of the same layout (double buffering). Cross-attention keys (transposed), values
+    and the padding bias are held once per source sentence: the B query rows are N groups of
+    B / N consecutive rows (the beams of a sentence), and :meth:`select_sentences` follows
+    sentences leaving.
     """
 
     def __init__(self, max_len: int) -> None:
@@ -36,8 +37,9 @@ class StepCache:
         self.length = 0
         self.kv: torch.Tensor | None = None  # (T_max, 2, B, C); slots [0, length) filled
         self.spare: torch.Tensor | None = None
-        self.cross_k: torch.Tensor | None = None  # (N, H, S, Dh)
-        self.cross_v: torch.Tensor | None = None
+        self.cross_kt: torch.Tensor | None = None  # (N, H, Dh, S): keys, transposed
+        self.cross_v: torch.Tensor | None = None  # (N, H, S, Dh)
+        self.cross_bias: torch.Tensor | None = None  # (N, 1, 1, S): 0, or -inf at padding
 
     def append(self, kv: torch.Tensor) -> torch.Tensor:
         """Write the new position's keys/values (B, 2C); returns all of them (t, 2, B, C)."""
@@ -65,9 +67,10 @@ class StepCache:
 
     def select_sentences(self, sentences: torch.Tensor) -> None:
         """Keep cross-attention keys/values of source sentences ``sentences`` (N',)."""
-        if self.cross_k is not None:
-            self.cross_k = self.cross_k.index_select(0, sentences)
+        if self.cross_kt is not None:
+            self.cross_kt = self.cross_kt.index_select(0, sentences)
             self.cross_v = self.cross_v.index_select(0, sentences)
+            self.cross_bias = self.cross_bias.index_select(0, sentences)
 
 
 Cache = DictCache | StepCache
@@ -180,11 +183,16 @@ class MultiheadAttention(nn.Module):
         """x (B, 1, C) in N groups of G rows, memory (N, S, C), pad_mask (N, S) -> (B, 1, C):
         each group's G queries attend to their sentence's keys in one call."""
         b, n = x.shape[0], memory.shape[0]
-        if cache.cross_k is None:
-            cache.cross_k, cache.cross_v = self._split(self.kv(memory), 2)  # (N, H, S, Dh)
+        if cache.cross_kt is None:
+            k, cache.cross_v = self._split(self.kv(memory), 2)  # (N, H, S, Dh)
+            cache.cross_kt = k.transpose(2, 3).contiguous()
+            bias = torch.zeros(pad_mask.shape, dtype=k.dtype, device=k.device)
+            cache.cross_bias = bias.masked_fill_(pad_mask, -math.inf)[:, None, None, :]
         q = self.q(x).view(n, b // n, self.heads, self.head_dim).transpose(1, 2)  # (N, H, G, Dh)
-        mask = ~pad_mask[:, None, None, :]  # (N, 1, 1, S): True = attend
-        y = F.scaled_dot_product_attention(q, cache.cross_k, cache.cross_v, attn_mask=mask)
+        # G queries per sentence and short sources: two batched matmuls beat SDPA's CPU kernel
+        # (1.4-2x on (32, 4, 4, 20, 16) in isolation).
+        w = (q @ cache.cross_kt).mul_(1.0 / math.sqrt(self.head_dim)).add_(cache.cross_bias)
+        y = torch.softmax(w, dim=-1) @ cache.cross_v  # (N, H, G, Dh)
         return y.transpose(1, 2).reshape(b, 1, self.dim)
 
 
