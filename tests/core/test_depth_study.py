@@ -3,7 +3,6 @@ the cell command (a valid config), resume, the report-only table and PNG, CLI er
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,17 +11,9 @@ import pytest
 
 from megatron_branchnorm.config import load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..tool_loader import load_tool
 
-
-def load_study():
-    spec = importlib.util.spec_from_file_location("tool_depth_study", ROOT / "tools/depth_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-study = load_study()
+study = load_tool("depth_study")
 
 
 def rows(losses, grad=1.0, skipped=0):

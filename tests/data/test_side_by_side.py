@@ -5,7 +5,6 @@ throwaway environment and 20+ minutes: docs/results.md has its figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -19,16 +18,15 @@ from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
 from megatron_branchnorm.tokens import lang_tag
 
+from ..tool_loader import load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "fairseq_side_by_side.py"
 
 
 @pytest.fixture(scope="module")
 def sbs():
-    spec = importlib.util.spec_from_file_location("tool_side_by_side", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("fairseq_side_by_side")
 
 
 def test_dictionary_is_our_vocabulary(sbs, small_data, tmp_path):

@@ -4,25 +4,16 @@ sentences go to our beam search and to transformers' generate, and their hypothe
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
+import sys
 
 import pytest
 
+from ..tool_loader import load_tool
 from .test_evaluate import make_data_dir
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("tool_benchmark", ROOT / "tools/benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_beam_section_on_an_export(tmp_path, text_export):
-    bench = _benchmark()
+    bench = load_tool("benchmark")
     data = make_data_dir(tmp_path, n=5)
     # A random model rarely emits EOS, so every sentence runs to its length limit, and generate
     # has one limit per batch (ours one per sentence): give each direction one source length.
@@ -46,9 +37,7 @@ def test_beam_section_on_an_export(tmp_path, text_export):
 
 
 def test_beam_export_needs_its_data(capsys):
-    bench = _benchmark()
-    import sys
-
+    bench = load_tool("benchmark")
     argv = sys.argv
     sys.argv = ["benchmark.py", "--sections", "beam", "--beam-export", "x"]
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from megatron_branchnorm.inference.translate import (
 )
 from megatron_branchnorm.tokens import EOS_ID
 
+from ..tool_loader import load_tool
 from .helpers import sentences
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,14 +33,6 @@ def run_tool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProc
         capture_output=True,
         timeout=300,
     )
-
-
-def load_tool(name: str):
-    """A tools/ script imported as a module, to call its main(argv) in this process."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_main(monkeypatch, capsys, argv: list[str], stdin: bytes = b"") -> tuple[int, str, str]:
