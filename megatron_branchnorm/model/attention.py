@@ -103,14 +103,9 @@ class MultiheadAttention(nn.Module):
         return self.out
 
     def _split(self, x: torch.Tensor, n: int) -> list[torch.Tensor]:
-        """(B, T, n*C) -> n views (B, H, T, Dh). Slicing the last dimension (not unbinding a
-        permuted one) makes the backward one concatenation straight into the (B, T, n*C)
-        gradient the projection's backward reads, where unbind needed a stack and a copy."""
         b, t, _ = x.shape
-        return [
-            z.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            for z in x.split(self.dim, dim=-1)
-        ]
+        x = x.view(b, t, n, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (n, B, H, T, Dh)
+        return list(x.unbind(0))
 
     def forward(
         self,
