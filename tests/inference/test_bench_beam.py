@@ -36,14 +36,10 @@ def test_beam_section_on_an_export(tmp_path, text_export):
     assert res["ratio"] > 0 and len(res["times_s"]["ours"]) == 1
 
 
-def test_beam_export_needs_its_data(capsys):
+def test_beam_export_needs_its_data(monkeypatch, capsys):
     bench = load_tool("benchmark")
-    argv = sys.argv
-    sys.argv = ["benchmark.py", "--sections", "beam", "--beam-export", "x"]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            bench.main()
-    finally:
-        sys.argv = argv
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--sections", "beam", "--beam-export", "x"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
     assert exc.value.code == 2
     assert "--beam-export and --beam-data go together" in capsys.readouterr().err
