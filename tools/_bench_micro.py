@@ -65,6 +65,34 @@ def micro(a: argparse.Namespace) -> None:
         print(f"{k:<16} median {statistics.median(v) * 1e3:8.1f} ms  (n={len(v)})")
 
 
+def _ours_for_steps(a: argparse.Namespace):
+    """(model in train mode, Adam, batch) of our model for the configuration in ``a``."""
+    torch.manual_seed(0)
+    model = bm.build_ours(a)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, opt, bm.make_batch(a.batch, a.src, a.tgt, a.vocab)
+
+
+def _interleaved(names, reps: int):
+    """The names once per repetition, the order reversed every other repetition."""
+    for r in range(reps):
+        yield from list(names)[:: 1 if r % 2 == 0 else -1]
+
+
+def _ab_steps(a, model, opt, batch, variants: dict, install) -> dict[str, list[float]]:
+    """Seconds per model step for each variant: ``install(variant)`` before each timed step,
+    ``a.reps`` steps each, interleaved, after one untimed step."""
+    bm.train_step(model, opt, batch, False)
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    for name in _interleaved(variants, a.reps):
+        install(variants[name])
+        t0 = time.perf_counter()
+        bm.train_step(model, opt, batch, False)
+        steps[name].append(time.perf_counter() - t0)
+    return steps
+
+
 def dropout_ab(a: argparse.Namespace) -> None:
     """model/dropout.py against F.dropout: forward + backward on one (B, T, C) activation, then
     whole model steps of ours with each (same process and weights, order alternating)."""
@@ -83,19 +111,11 @@ def dropout_ab(a: argparse.Namespace) -> None:
             fn(x, a.dropout, True).backward(g)
             res.setdefault(name, []).append(time.perf_counter() - t0)
             x.grad = None
-    torch.manual_seed(0)
-    model = bm.build_ours(a)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = bm.make_batch(a.batch, a.src, a.tgt, a.vocab)
-    bm.train_step(model, opt, batch, False)
-    steps: dict[str, list[float]] = {}
-    for r in range(a.reps):
-        for name in list(variants)[:: 1 if r % 2 == 0 else -1]:
-            ours.dropout = variants[name]  # what every Dropout module calls
-            t0 = time.perf_counter()
-            bm.train_step(model, opt, batch, False)
-            steps.setdefault(name, []).append(time.perf_counter() - t0)
+
+    def install(fn) -> None:
+        ours.dropout = fn  # what every Dropout module calls
+
+    steps = _ab_steps(a, *_ours_for_steps(a), variants, install)
     ours.dropout = fast
     print(f"load {os.getloadavg()}")
     for name in variants:
@@ -146,11 +166,10 @@ def compile_ab(a: argparse.Namespace) -> None:
         fn(x, y, w, b).backward(g)
         print(f"{name:<22} first call {time.perf_counter() - t0:6.1f} s")
     res: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(max(a.reps, 3) * 4):
-        for name in list(variants)[:: 1 if r % 2 == 0 else -1]:
-            t0 = time.perf_counter()
-            variants[name](x, y, w, b).backward(g)
-            res[name].append(time.perf_counter() - t0)
+    for name in _interleaved(variants, max(a.reps, 3) * 4):
+        t0 = time.perf_counter()
+        variants[name](x, y, w, b).backward(g)
+        res[name].append(time.perf_counter() - t0)
     print(f"load {os.getloadavg()}; ({a.batch}, {a.src}, {a.dim}), p={a.dropout}")
     for name, v in res.items():
         print(f"{name:<22} fwd+bwd {statistics.median(v) * 1e3:7.2f} ms  (n={len(v)})")
@@ -174,11 +193,7 @@ def split_ab(a: argparse.Namespace) -> None:
         ]
 
     variants = {"unbind": MultiheadAttention._split, "slice": sliced}
-    torch.manual_seed(0)
-    model = bm.build_ours(a)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = bm.make_batch(a.batch, a.src, a.tgt, a.vocab)
+    model, opt, batch = _ours_for_steps(a)
     grads = {}
     for name, fn in variants.items():
         MultiheadAttention._split = fn
@@ -187,14 +202,11 @@ def split_ab(a: argparse.Namespace) -> None:
         grads[name] = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
     same = all(torch.equal(x, y) for x, y in zip(*grads.values(), strict=True))
-    bm.train_step(model, opt, batch, False)
-    steps: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(a.reps):
-        for name in list(variants)[:: 1 if r % 2 == 0 else -1]:
-            MultiheadAttention._split = variants[name]
-            t0 = time.perf_counter()
-            bm.train_step(model, opt, batch, False)
-            steps[name].append(time.perf_counter() - t0)
+
+    def install(fn) -> None:
+        MultiheadAttention._split = fn
+
+    steps = _ab_steps(a, model, opt, batch, variants, install)
     MultiheadAttention._split = variants["unbind"]
     print(f"load {os.getloadavg()}; {a.layers}L-{a.layers}L; gradients identical: {same}")
     for name, v in steps.items():

@@ -472,28 +472,20 @@ def _beam_export(a: argparse.Namespace):
     """(model, [src batch per direction], banned ids, description): a trained export and the
     first ``--beam-sentences`` (0: 32) test sentences of every direction of ``--beam-data``,
     encoded as translate.py encodes them; a direction's sentences are one batch."""
-    import torch
-
     from megatron_branchnorm.inference.evaluate import references_from_manifest
-    from megatron_branchnorm.inference.translate import Translator
-    from megatron_branchnorm.tokens import PAD_ID
+    from megatron_branchnorm.inference.translate import Translator, pad_sources
 
     tr = Translator.from_export(a.beam_export)
     per_dir = a.beam_sentences or 32
-    batches, total = [], 0
+    batches = []
     for d in references_from_manifest(a.beam_data, "test").values():
         lines = [x for x in d.src_path.read_text(encoding="utf-8").splitlines() if x.strip()]
-        encoded = [tr.encode(x, d.tgt_lang) for x in lines[:per_dir]]
-        src = torch.full((len(encoded), max(map(len, encoded))), PAD_ID, dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            src[row, : len(ids)] = torch.tensor(ids)
-        batches.append(src)
-        total += len(encoded)
+        batches.append(pad_sources([tr.encode(x, d.tgt_lang) for x in lines[:per_dir]]))
     c = tr.model.cfg
     desc = (
         f"export {a.beam_export} ({c.residual} {c.encoder_layers}L-{c.decoder_layers}L "
-        f"d={c.hidden_size} vocab={c.vocab_size}), {total} test sentences of {a.beam_data} "
-        f"({len(batches)} directions, a batch each)"
+        f"d={c.hidden_size} vocab={c.vocab_size}), {sum(map(len, batches))} test sentences of "
+        f"{a.beam_data} ({len(batches)} directions, a batch each)"
     )
     return tr.model, batches, tr.banned_ids, desc
 
@@ -510,6 +502,7 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
 
     from megatron_branchnorm.inference.beam_search import beam_search, max_lengths
     from megatron_branchnorm.inference.hf_export import export_hf
+    from megatron_branchnorm.inference.translate import SearchOptions
     from megatron_branchnorm.tokens import EOS_ID, PAD_ID
 
     torch.set_num_threads(a.threads)
@@ -523,8 +516,11 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
     hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
     hf.generation_config.max_length = None  # max_new_tokens below sets the limit
     nsent = sum(len(src) for src in batches)
-    # generate takes one length limit per batch: the longest of ours (1.2 x src + 10) in it.
-    limits = [int(max_lengths(src, 1.2, 10, model.cfg.max_positions).max()) for src in batches]
+    # Our length limit per sentence (beam_search's defaults, as translate.py's); generate takes
+    # one per batch: the longest of ours in it.
+    opts = SearchOptions()
+    own = [max_lengths(s, opts.max_len_a, opts.max_len_b, model.cfg.max_positions) for s in batches]
+    limits = [int(x.max()) for x in own]
 
     def search_fn(search, net):
         def run() -> list:
@@ -553,8 +549,7 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
         base_config, base_build, base_search = _import_beam_tree(a.base)
         base_model = base_build(base_config(**dataclasses.asdict(model.cfg))).eval()
         base_model.load_state_dict(model.state_dict())
-        if hasattr(model, "step") and hasattr(base_model, "set_step"):
-            base_model.set_step(model.step)
+        base_model.set_step(model.step)
         fns["base"] = search_fn(base_search, base_model)
     fns["hf"] = theirs
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -580,8 +575,9 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
     res["sentences"] = nsent
     # ours stops a sentence at its own limit, generate at its batch's longest: a sentence that
     # reaches its limit may differ for that reason alone
-    own = torch.cat([max_lengths(src, 1.2, 10, model.cfg.max_positions) for src in batches])
-    res["ours_at_limit"] = sum(len(h) >= n for h, n in zip(outs["ours"], own.tolist(), strict=True))
+    res["ours_at_limit"] = sum(
+        len(h) >= n for h, n in zip(outs["ours"], torch.cat(own).tolist(), strict=True)
+    )
     if "base" in fns:
         res["ratio_base"] = res["base_sent_per_s"] / res["hf_sent_per_s"]
         res["ours_over_base"] = res["ours_sent_per_s"] / res["base_sent_per_s"]

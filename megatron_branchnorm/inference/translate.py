@@ -92,6 +92,14 @@ def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def pad_sources(encoded: Sequence[Sequence[int]]) -> torch.Tensor:
+    """(N, longest) LongTensor of encoded sentences, padded with PAD_ID on the right."""
+    src = torch.full((len(encoded), max(map(len, encoded))), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        src[row, : len(ids)] = torch.tensor(ids)
+    return src
+
+
 class Translator:
     """A model with its SentencePiece model and language tags: lines in, translations out."""
 
@@ -170,10 +178,7 @@ class Translator:
         encoded = [self.encode(lines[i], tgt_lang) for i in todo]
         device = next(self.model.parameters()).device
         for batch in make_batches([len(e) for e in encoded], opts.batch_tokens):
-            width = max(len(encoded[j]) for j in batch)
-            src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-            for row, j in enumerate(batch):
-                src[row, : len(encoded[j])] = torch.tensor(encoded[j])
+            src = pad_sources([encoded[j] for j in batch])
             hyps = beam_search(
                 self.model,
                 src.to(device),
