@@ -147,14 +147,14 @@ def run_logged(
     log: Path,
     label: str,
     status: Status,
-    expected_s: float,
+    expected_s: float | None,
     detail: Callable[[], tuple[float | None, str]] | None = None,
     env: dict[str, str] | None = None,
 ) -> float:
     """Run ``cmd`` with its output in ``log``, showing a status line; returns the seconds taken.
 
     ``detail()`` may give (seconds left, text) while the command runs; without it the time left
-    is ``expected_s`` minus the elapsed time.
+    is ``expected_s`` minus the elapsed time, or unknown ("?") when ``expected_s`` is None.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -168,7 +168,7 @@ def run_logged(
         try:
             while proc.poll() is None:
                 left, text = detail() if detail else (None, "")
-                if left is None:
+                if left is None and expected_s is not None:
                     left = max(0.0, expected_s - (time.time() - start))
                 status.update(label, start, left, text)
                 time.sleep(1.0)

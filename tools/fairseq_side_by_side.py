@@ -183,9 +183,16 @@ def build_data(out: Path, langs: str, vocab_size: int, from_demo: Path | None) -
     return prepare_data(out, None, langs.split(","), vocab_size, Status(), {})
 
 
-def run_step(cmd: list[str], log: Path, label: str, env: dict[str, str] | None = None) -> None:
-    """One subprocess with its output in ``log`` and a status line (the demo's runner)."""
-    run_logged(cmd, log, label, Status(), 0.0, env=env)
+def run_step(
+    cmd: list[str],
+    log: Path,
+    label: str,
+    env: dict[str, str] | None = None,
+    expected_s: float | None = None,
+) -> None:
+    """One subprocess with its output in ``log`` and a status line (the demo's runner);
+    the time left is shown when ``expected_s`` is given, "?" otherwise."""
+    run_logged(cmd, log, label, Status(), expected_s, env=env)
 
 
 def fairseq_train_args(cfg: Any, bin_dir: Path, save_dir: Path, minutes: float) -> list[str]:
@@ -279,7 +286,8 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
             shutil.rmtree(ckpt)
         args = fairseq_train_args(cfg, bin_dir, ckpt, opts.minutes)
         label = f"fairseq: train ({opts.minutes:g} minutes)"
-        run_step([str(py), "-m", "fairseq_cli.train", *args], train_log, label, env)
+        budget_s = opts.minutes * 60.0  # fairseq's --stop-time-hours; + start-up and a last save
+        run_step([str(py), "-m", "fairseq_cli.train", *args], train_log, label, env, budget_s)
     training = parse_fairseq_log(train_log)
     # evaluation
     results = {}

@@ -5,8 +5,10 @@ throwaway environment and 20+ minutes: docs/results.md has its figures."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import sentencepiece as spm
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
+from megatron_branchnorm.demo import Status, run_logged
 from megatron_branchnorm.tokens import lang_tag
 
 from ..tool_loader import load_tool
@@ -177,3 +180,16 @@ def test_cli_errors(argv, message, tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+@pytest.mark.parametrize("expected_s, left", [(None, r"\?"), (600.0, r"~(10:00|09:5\d)")])
+def test_status_line_time_left(expected_s, left, tmp_path):
+    """A step shows its time left when it has a budget and "?" when it has none (never a
+    made-up "~00:00" for a step still running)."""
+    stream = io.StringIO()
+    cmd = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    run_logged(cmd, tmp_path / "log", "step", Status(stream, every_s=0.0), expected_s)
+    running = [x for x in stream.getvalue().splitlines() if "elapsed" in x]
+    pattern = re.compile(r"step: 00:0\d elapsed, " + left + " left$")
+    assert running and all(pattern.match(x) for x in running), stream.getvalue()
+    assert "step: done in" in stream.getvalue()
