@@ -286,7 +286,7 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
             shutil.rmtree(ckpt)
         args = fairseq_train_args(cfg, bin_dir, ckpt, opts.minutes)
         label = f"fairseq: train ({opts.minutes:g} minutes)"
-        budget_s = opts.minutes * 60.0  # fairseq's --stop-time-hours; + start-up and a last save
+        budget_s = opts.minutes * 60.0  # fairseq's --stop-time-hours (start-up not included)
         run_step([str(py), "-m", "fairseq_cli.train", *args], train_log, label, env, budget_s)
     training = parse_fairseq_log(train_log)
     # evaluation
