@@ -24,6 +24,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 RESIDUAL_SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
 BRANCHNORM_SCHEDULES = ("linear", "exp", "sigmoid")
+BRANCH_INITS = ("auto", "deepnet", "xavier")
 LAYERNORM_IMPLS = ("auto", "apex", "torch")
 ACTIVATIONS = ("relu", "gelu")
 
@@ -54,6 +55,10 @@ class ModelConfig:
     """T in alpha_t = min(1, t/T): updates until BranchNorm becomes Post-LN."""
     branchnorm_schedule: str = "linear"
     """How alpha_t rises to 1: linear (the paper's) | exp | sigmoid."""
+    branch_init: str = "auto"
+    """Init gain of the branch projections: auto (DeepNet's beta for deepnorm and branchnorm, 1
+    for postln and preln) | deepnet | xavier (gain 1). For ablations: separates the init from
+    the residual scheme, e.g. Post-LN with DeepNet's init."""
     dropout: float = 0.1
     """Dropout on embeddings and on every sublayer output."""
     attention_dropout: float = 0.0
@@ -361,6 +366,11 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         m.branchnorm_schedule in BRANCHNORM_SCHEDULES,
         f"{prefix}.branchnorm_schedule",
         f"unknown schedule {m.branchnorm_schedule!r} (choose from {', '.join(BRANCHNORM_SCHEDULES)})",
+    )
+    _check(
+        m.branch_init in BRANCH_INITS,
+        f"{prefix}.branch_init",
+        f"unknown init {m.branch_init!r} (choose from {', '.join(BRANCH_INITS)})",
     )
     _check(
         m.branchnorm_steps >= 1,

@@ -107,7 +107,9 @@ CHECKPOINTABLE = ["EncoderLayerPipe", "DecoderLayerPipe"]
 
 def layer_specs(cfg: ModelConfig, seed: int) -> list:
     """The DeepSpeed layer list; each entry is built only on the stage that owns it."""
-    consts = residual_constants(cfg.residual, cfg.encoder_layers, cfg.decoder_layers)
+    consts = residual_constants(
+        cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
+    )
     (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
     specs = []
     for entry in spec_entries(cfg):

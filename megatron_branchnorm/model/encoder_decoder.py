@@ -40,7 +40,9 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         validate_model(cfg)
         self.cfg = cfg
-        consts = residual_constants(cfg.residual, cfg.encoder_layers, cfg.decoder_layers)
+        consts = residual_constants(
+        cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
+    )
         (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
         self.embedding = TokenEmbedding(cfg, seed)
         self.encoder_embed = Embed(cfg)

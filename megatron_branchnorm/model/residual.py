@@ -15,7 +15,8 @@ is exactly Post-LN.
 Initialisation (DeepNet paper, Fig. 2 pseudocode): Xavier-normal with gain beta for the value
 and output projections of every attention (cross-attention included) and both FFN matrices;
 query and key projections keep gain 1. BranchNorm initialises the same way (its paper follows
-DeepNet here). Post-LN and Pre-LN use gain 1 everywhere. torchscale instead multiplies
+DeepNet here). Post-LN and Pre-LN use gain 1 everywhere. ``model.branch_init``
+overrides the scheme's choice, for ablations (e.g. Post-LN with DeepNet's init). torchscale instead multiplies
 PyTorch's default nn.Linear init by its own beta (1.15 for the encoder); we follow the paper.
 """
 
@@ -98,16 +99,24 @@ def branchnorm_alpha(step: int, total_steps: int, schedule: str = "linear") -> f
 
 
 def residual_constants(
-    scheme: str, encoder_layers: int, decoder_layers: int
+    scheme: str, encoder_layers: int, decoder_layers: int, branch_init: str = "auto"
 ) -> dict[str, tuple[float, float]]:
-    """Per stack ("encoder", "decoder"): (residual alpha, init gain beta) for ``scheme``."""
+    """Per stack ("encoder", "decoder"): (residual alpha, init gain beta) for ``scheme``.
+
+    ``branch_init`` (``model.branch_init``) overrides the scheme's init gain: "deepnet" gives
+    DeepNet's beta and "xavier" gain 1 whatever the scheme; "auto" keeps the scheme's own.
+    """
     scheme = Scheme(scheme)
-    if scheme in (Scheme.DEEPNORM, Scheme.BRANCHNORM):
-        a_enc, b_enc, a_dec, b_dec = deepnorm_constants(encoder_layers, decoder_layers)
-        if scheme is Scheme.BRANCHNORM:  # BranchNorm keeps DeepNet's init, not its alpha
-            a_enc = a_dec = 1.0
-        return {"encoder": (a_enc, b_enc), "decoder": (a_dec, b_dec)}
-    return {"encoder": (1.0, 1.0), "decoder": (1.0, 1.0)}
+    a_enc, b_enc, a_dec, b_dec = deepnorm_constants(encoder_layers, decoder_layers)
+    if scheme is not Scheme.DEEPNORM:  # only DeepNorm up-weights the residual
+        a_enc = a_dec = 1.0
+    if branch_init == "auto":
+        branch_init = "deepnet" if scheme in (Scheme.DEEPNORM, Scheme.BRANCHNORM) else "xavier"
+    if branch_init == "xavier":
+        b_enc = b_dec = 1.0
+    elif branch_init != "deepnet":
+        raise ValueError(f"unknown branch init {branch_init!r} (auto, deepnet, xavier)")
+    return {"encoder": (a_enc, b_enc), "decoder": (a_dec, b_dec)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ BAD_OVERRIDES = [
     (["model.decoder_layers=-2"], "model.decoder_layers", ">= 1"),
     (["model.residual=rezero"], "model.residual", "rezero"),
     (["model.branchnorm_schedule=cosine"], "model.branchnorm_schedule", "cosine"),
+    (["model.branch_init=kaiming"], "model.branch_init", "kaiming"),
     (["model.dropout=1.5"], "model.dropout", "[0, 1)"),
     (["model.attention_dropout=-0.1"], "model.attention_dropout", "[0, 1)"),
     (["model.layernorm_impl=fused"], "model.layernorm_impl", "fused"),

@@ -68,11 +68,22 @@ def _cfg(residual: str, **kw):
     )
 
 
-@pytest.mark.parametrize("residual", ["deepnorm", "branchnorm", "postln"])
-def test_branch_weights_have_the_promised_std(residual: str) -> None:
-    model = build_model(_cfg(residual), seed=3)
+@pytest.mark.parametrize(
+    ("residual", "branch_init", "deepnet_gain"),
+    [
+        ("deepnorm", "auto", True),
+        ("branchnorm", "auto", True),
+        ("postln", "auto", False),
+        ("postln", "deepnet", True),  # model.branch_init: the ablation knobs
+        ("branchnorm", "xavier", False),
+    ],
+)
+def test_branch_weights_have_the_promised_std(
+    residual: str, branch_init: str, deepnet_gain: bool
+) -> None:
+    model = build_model(_cfg(residual, branch_init=branch_init), seed=3)
     _, beta_enc, _, beta_dec = deepnorm_constants(LAYERS, LAYERS)
-    if residual == "postln":
+    if not deepnet_gain:
         beta_enc = beta_dec = 1.0
     else:
         assert beta_enc < 0.6 and beta_dec < 0.4  # far enough from 1 for the test to bite

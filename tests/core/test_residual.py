@@ -59,6 +59,22 @@ def test_residual_constants_per_scheme() -> None:
         assert residual_constants(scheme, 8, 4) == {"encoder": (1.0, 1.0), "decoder": (1.0, 1.0)}
 
 
+def test_branch_init_overrides_the_schemes_gain_only() -> None:
+    a_enc, b_enc, a_dec, b_dec = deepnorm_constants(8, 4)
+    # Post-LN with DeepNet's init: BranchNorm's constants (the ablation of its ramp).
+    assert residual_constants("postln", 8, 4, "deepnet") == residual_constants("branchnorm", 8, 4)
+    # BranchNorm with gain 1: Post-LN's constants; DeepNorm keeps its residual alpha.
+    assert residual_constants("branchnorm", 8, 4, "xavier") == residual_constants("postln", 8, 4)
+    assert residual_constants("deepnorm", 8, 4, "xavier") == {
+        "encoder": (a_enc, 1.0),
+        "decoder": (a_dec, 1.0),
+    }
+    for scheme in ("branchnorm", "deepnorm", "postln", "preln"):
+        assert residual_constants(scheme, 8, 4, "auto") == residual_constants(scheme, 8, 4)
+    with pytest.raises(ValueError, match="kaiming"):
+        residual_constants("postln", 8, 4, "kaiming")
+
+
 # ---- BranchNorm's alpha_t ------------------------------------------------------------------
 
 
