@@ -41,8 +41,8 @@ class EncoderDecoder(nn.Module):
         validate_model(cfg)
         self.cfg = cfg
         consts = residual_constants(
-        cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
-    )
+            cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
+        )
         (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
         self.embedding = TokenEmbedding(cfg, seed)
         self.encoder_embed = Embed(cfg)
