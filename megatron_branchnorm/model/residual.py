@@ -15,9 +15,10 @@ is exactly Post-LN.
 Initialisation (DeepNet paper, Fig. 2 pseudocode): Xavier-normal with gain beta for the value
 and output projections of every attention (cross-attention included) and both FFN matrices;
 query and key projections keep gain 1. BranchNorm initialises the same way (its paper follows
-DeepNet here). Post-LN and Pre-LN use gain 1 everywhere. ``model.branch_init``
-overrides the scheme's choice, for ablations (e.g. Post-LN with DeepNet's init). torchscale instead multiplies
-PyTorch's default nn.Linear init by its own beta (1.15 for the encoder); we follow the paper.
+DeepNet here). Post-LN and Pre-LN use gain 1 everywhere. ``model.branch_init`` overrides
+the scheme's choice, for ablations (e.g. Post-LN with DeepNet's init). torchscale instead
+multiplies PyTorch's default nn.Linear init by its own beta (1.15 for the encoder); we follow
+the paper.
 """
 
 from __future__ import annotations
