@@ -169,6 +169,34 @@ def test_more_stages_than_layers_is_rejected():
         load_config("tiny_cpu", ["pipeline.stages=40"])
 
 
+def test_stage_layers_get_the_branch_init_override():
+    """pipeline.layer_specs passes model.branch_init on, as the flat model does (test_init)."""
+    from megatron_branchnorm.model.residual import residual_constants
+    from megatron_branchnorm.pipeline import layer_specs
+
+    def constants(overrides):
+        cfg = load_config("tiny_cpu", overrides).model
+        return {
+            (spec.typename.__name__, spec.module_args[1], spec.module_args[2])
+            for spec in layer_specs(cfg, 1)
+            if spec.typename.__name__ in ("EncoderLayerPipe", "DecoderLayerPipe")
+        }
+
+    cfg = load_config("tiny_cpu", []).model
+    deepnet = residual_constants("branchnorm", cfg.encoder_layers, cfg.decoder_layers)
+    expected = {
+        ("EncoderLayerPipe", *deepnet["encoder"]),
+        ("DecoderLayerPipe", *deepnet["decoder"]),
+    }
+    assert deepnet["encoder"][1] < 0.9  # DeepNet's beta, not gain 1
+    assert constants(["model.residual=postln", "model.branch_init=deepnet"]) == expected
+    assert constants(["model.residual=branchnorm"]) == expected
+    assert constants(["model.residual=branchnorm", "model.branch_init=xavier"]) == {
+        ("EncoderLayerPipe", 1.0, 1.0),
+        ("DecoderLayerPipe", 1.0, 1.0),
+    }
+
+
 def test_ds_json_checks(tmp_path):
     cfg = load_config("tiny_cpu")
     for body, key in [
