@@ -60,7 +60,7 @@ def test_residual_constants_per_scheme() -> None:
 
 
 def test_branch_init_overrides_the_schemes_gain_only() -> None:
-    a_enc, b_enc, a_dec, b_dec = deepnorm_constants(8, 4)
+    a_enc, _, a_dec, _ = deepnorm_constants(8, 4)
     # Post-LN with DeepNet's init: BranchNorm's constants (the ablation of its ramp).
     assert residual_constants("postln", 8, 4, "deepnet") == residual_constants("branchnorm", 8, 4)
     # BranchNorm with gain 1: Post-LN's constants; DeepNorm keeps its residual alpha.
