@@ -17,6 +17,7 @@ alpha_t is a Python float set on each stage's residual blocks before every updat
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -302,3 +303,44 @@ def install_backward_once(engine: PipelineEngine) -> None:
         **type(engine)._INSTRUCTION_MAP,
         schedule.BackwardPass: _backward_once,
     }
+
+
+def _typed_recv_buffer(engine: PipelineEngine, idx: int, shape: list[int], dtype: torch.dtype):
+    """A receive buffer for tuple slot ``idx`` of ``shape`` and ``dtype``, pooled per (slot, dtype).
+
+    DeepSpeed 0.19.8's ``_allocate_or_extend_buffers`` keeps ONE pool, indexed by tuple slot
+    only, for received activations and received gradients, and reuses a pooled tensor when it
+    has enough elements, whatever its dtype. Our boundary tuple carries long ids beside float
+    activations (module docstring), so on a stage that receives both (any middle stage of a
+    3+ stage pipeline) slot 1 holds ``src_tokens`` (int64) from the forward pass when the
+    float gradient of ``memory`` arrives: the float gradient was received into an int64 view
+    and gloo failed with "Received data size doesn't match expected size" (exactly 2x), or on
+    NCCL a silent reinterpretation. Keying the pool by dtype as well removes the collision;
+    reusing across activations and gradients stays safe because received activations are
+    cloned at once and a received gradient is consumed by the BackwardPass that follows its
+    RecvGrad in the same schedule step (``schedule.TrainSchedule.steps``).
+    """
+    numel = math.prod(shape)
+    pool = engine.__dict__.setdefault("_mbn_recv_pool", {})
+    buf = pool.get((idx, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = torch.zeros(numel, dtype=dtype, device=engine.device)
+        pool[(idx, dtype)] = buf
+    return buf[:numel].view(shape)
+
+
+def install_engine_fixes(engine: PipelineEngine) -> None:
+    """Apply our two changes to this engine instance (DeepSpeed's class is untouched):
+    :func:`_backward_once` for BackwardPass and :func:`_typed_recv_buffer` for receive
+    buffers. Both replace private methods of DeepSpeed 0.19.8 (pinned in setup.py); a
+    DeepSpeed without them is refused here rather than failing mid-step."""
+    for name in ("_allocate_or_extend_buffers", "_INSTRUCTION_MAP", "_exec_recv_grads"):
+        if not hasattr(type(engine), name):
+            import deepspeed
+
+            raise RuntimeError(
+                f"DeepSpeed {deepspeed.__version__}: PipelineEngine.{name} is missing; "
+                "megatron_branchnorm needs deepspeed>=0.19.8,<0.20 (docs/design.md)"
+            )
+    install_backward_once(engine)
+    engine._allocate_or_extend_buffers = functools.partial(_typed_recv_buffer, engine)

@@ -40,7 +40,7 @@ from megatron_branchnorm.partition import describe_plan, partition_plan, spec_na
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
-    install_backward_once,
+    install_engine_fixes,
     pipe_to_flat_key,
     set_pipeline_step,
 )
@@ -373,7 +373,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
-        install_backward_once(self.engine)
+        install_engine_fixes(self.engine)
         self.module = module
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -25,7 +25,7 @@ from megatron_branchnorm.partition import partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
-    install_backward_once,
+    install_engine_fixes,
     pipe_to_flat_key,
     set_pipeline_step,
 )
@@ -80,7 +80,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
-    install_backward_once(engine)
+    install_engine_fixes(engine)
     walks = [0]
     if engine.stage_id == 0:  # entry 1 is encoder layer 0
         first = next(p for n, p in module.named_parameters() if n.startswith("1."))
