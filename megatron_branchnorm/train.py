@@ -17,6 +17,11 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# First of all: a SIGUSR1/SIGTERM from now on is recorded, not fatal (stop_signals' docstring).
+from megatron_branchnorm import stop_signals  # noqa: E402
+
+stop_signals.install()
+
 from megatron_branchnorm.checkpoint import CheckpointError  # noqa: E402
 from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
 

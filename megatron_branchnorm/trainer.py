@@ -23,7 +23,6 @@ import math
 import os
 import resource
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm import stop_signals
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm
@@ -322,6 +322,7 @@ class Trainer:
     """Builds the stage of this rank, resumes if ``save_dir`` has a checkpoint, trains."""
 
     def __init__(self, cfg: ExperimentConfig) -> None:
+        stop_signals.install()  # train.py installs it first thing; a Trainer built in-process too
         setup_process_env()
         self.threads = set_thread_count()
         self.world = int(os.environ["WORLD_SIZE"])
@@ -336,7 +337,6 @@ class Trainer:
         self.ds_config = load_ds_config(cfg, self.dp)
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
-        self.stop_signal = 0
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
         self.injected: dict[str, int] = {}
         self._pending_inf = False
@@ -674,11 +674,8 @@ class Trainer:
 
     # ---- main loop ---------------------------------------------------------------------------
 
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        self.stop_signal = signum
-
     def _agree_to_stop(self, time_up: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([float(self.stop_signal != 0), float(time_up)])
+        flags = torch.tensor([float(stop_signals.received() != 0), float(time_up)])
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -692,8 +689,6 @@ class Trainer:
         self.maybe_resume()
         if self.rank == 0:
             dump_config(cfg, self.save_dir / "config.yaml")
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.log(
             f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
@@ -704,6 +699,16 @@ class Trainer:
         last_log_time, interval_tokens = time.time(), 0
         exit_code = 0
         consecutive = 0
+        if self._agree_to_stop(False)[0]:
+            # The signal came while the ranks were starting: no update since the checkpoint
+            # we resumed from (or none at all), so there is nothing to save.
+            stop_signals.clear()
+            self.log(
+                f"signal received before the first update (step {self.step}): nothing new to "
+                f"save, exiting {REQUEUE_EXIT_CODE}"
+            )
+            dist.barrier()
+            return REQUEUE_EXIT_CODE
         while self.step < cfg.train.max_steps:
             t = self.step + 1
             if "slow" in self.faults:
@@ -771,6 +776,7 @@ class Trainer:
             if stop_now or time_up:
                 self.save()
                 if stop_now:
+                    stop_signals.clear()
                     self.log(f"signal received: checkpoint saved, exiting {REQUEUE_EXIT_CODE}")
                     exit_code = REQUEUE_EXIT_CODE
                 else:

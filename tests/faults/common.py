@@ -174,3 +174,28 @@ def assert_matches_reference(run: Path, ref: Path, steps: int = STEPS) -> None:
             assert got[step][key] == want[step][key], (step, key)
     tag = f"global_step{steps}"
     assert param_hash(run / tag) == param_hash(ref / tag)
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (SigCgt in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def signal_at_handler(procs: list[subprocess.Popen], victim: int, sig: int, timeout: float = 60):
+    """Send ``sig`` to rank ``victim`` the moment its handler exists (while it is starting);
+    returns the seconds from now until then."""
+    t0 = time.time()
+    pid = procs[victim].pid
+    while not handles_signal(pid, sig):
+        if time.time() - t0 > timeout or procs[victim].poll() is not None:
+            raise RuntimeError(f"rank {victim} never installed a handler for signal {sig}")
+        time.sleep(0.005)
+    os.kill(pid, sig)
+    return time.time() - t0

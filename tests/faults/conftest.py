@@ -20,6 +20,7 @@ from tests.faults.common import (
     last_by_step,
     launch,
     records,
+    signal_at_handler,
     wait_all,
 )
 from tests.pipeline.conftest import ROOT, launch_ranks
@@ -154,3 +155,21 @@ def dp2_runs(tmp_path_factory) -> tuple[Path, dict]:
         _fail(result["restart_codes"], out / "restart_logs", "4-rank restart after SIGUSR1")
     (out / "dp2.json").write_text(json.dumps(result, indent=1))
     return out, result
+
+
+@pytest.fixture(scope="session")
+def early_signals(tmp_path_factory) -> dict:
+    """SIGUSR1 to one rank the moment its handler exists, long before the Trainer is built:
+    on a fresh save_dir (``fresh``), and after a completed 3-update run when the restart to 6
+    is still starting (``resumed``). Per launch: exit codes and seconds from spawn to signal."""
+    base = tmp_path_factory.mktemp("early_signals")
+    run = base / "run"
+    out: dict = {"dir": run}
+    overrides = ["train.save_interval=0"]
+    for name, steps, victim in (("fresh", 3, 1), ("complete", 3, None), ("resumed", 6, 0)):
+        procs = launch(run, [f"train.max_steps={steps}", *overrides], base / name)
+        seconds = None if victim is None else signal_at_handler(procs, victim, signal.SIGUSR1)
+        out[name] = {"codes": wait_all(procs, timeout=300), "signal_s": seconds}
+        out[name]["latest"] = ckpt.read_latest(run)
+        out[name]["steps"] = [r["step"] for r in records(run)]
+    return out

@@ -32,8 +32,11 @@ def rank_env(rank: int, world: int, port: int) -> dict:
     return env
 
 
-def launch_ranks(args: list[str], world: int, log_dir: Path, cwd: Path = ROOT) -> list:
-    """Start ``world`` processes of ``python ARGS`` as gloo ranks (as srun would)."""
+def launch_ranks(
+    args: list[str], world: int, log_dir: Path, cwd: Path = ROOT, env: dict | None = None
+) -> list:
+    """Start ``world`` processes of ``python ARGS`` as gloo ranks (as srun would), with
+    ``env`` added to each rank's environment."""
     port = free_port()
     procs = []
     for r in range(world):
@@ -41,7 +44,7 @@ def launch_ranks(args: list[str], world: int, log_dir: Path, cwd: Path = ROOT) -
         procs.append(
             subprocess.Popen(
                 [sys.executable, *args],
-                env=rank_env(r, world, port),
+                env={**rank_env(r, world, port), **(env or {})},
                 cwd=cwd,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -35,7 +35,9 @@ from megatron_branchnorm.trainer import AdamW, Trainer, setup_process_env
 SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
 
 
-def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
+def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = "balanced") -> None:
+    """Pipeline (as many stages as ranks, split by ``layout``) vs flat model, one batch."""
+    world = dist.get_world_size()
     cfg = load_config(
         "tiny_cpu",
         [
@@ -47,7 +49,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
         ],
     ).model
     seed, step = 7, 3  # BranchNorm at alpha = 3/8: a non-trivial factor
-    parts = partition_plan(cfg, 2)
+    parts = partition_plan(cfg, world, layout)
     data = SyntheticData(64, cfg.vocab_size, 20)
     batch = collate(data, list(range(8)))
     loss_fn = PipeLoss(0.1)
@@ -105,13 +107,15 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int) -> None:
         r = ref[name].grad
         worst = max(worst, float((g - r).norm() / max(float(r.norm()), 1e-12)))
     key = f"{scheme}_ckpt{ckpt_interval}"
-    gathered = [None, None]
-    dist.all_gather_object(gathered, {"n": len(grads), "worst": worst, "walks": walks[0]})
+    gathered = [None] * world
+    mine = {"n": len(grads), "worst": worst, "walks": walks[0], "tied": "embedding.weight" in grads}
+    dist.all_gather_object(gathered, mine)
     if rank == 0:
         out["parity"][key] = {
             "loss": loss,
             "ref_loss": float(ref_loss / ntokens),
             "grad_params": sum(g["n"] for g in gathered),
+            "embed_copies": sum(g["tied"] for g in gathered),  # stages holding the tied matrix
             "flat_params": len(ref),
             "worst_rel_grad_err": max(g["worst"] for g in gathered),
             "micro_batches": micro,
