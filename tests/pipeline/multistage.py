@@ -30,12 +30,12 @@ RUNS: dict[str, dict] = {
     "s3_switch": {"world": 3, "layout": "E e*6 | d*3 | d*3 L"},
     # inside the encoder, at the switch, inside the decoder; middle stages enc-only, dec-only
     "s4_layout": {"world": 4, "layout": "E e*3 | e*3 | d*3 | d*3 L"},
-    # DeepSpeed-balanced plan, with dropout and saves every 4: the uninterrupted reference of
-    # the SIGUSR1 + resume test
+    # our balanced plan, with dropout, saves every 4 and validation (eval_batch through
+    # 4 stages) every 5: the uninterrupted reference of the SIGUSR1 + resume test
     "s4_resume_ref": {
         "world": 4,
         "layout": "balanced",
-        "extra": ["model.dropout=0.1", "train.save_interval=4"],
+        "extra": ["model.dropout=0.1", "train.save_interval=4", "train.eval_interval=5"],
     },
 }
 PARITY_LAYOUTS = {

@@ -10,6 +10,7 @@ held ``src_tokens`` (gloo: "Received data size doesn't match expected size", 2x)
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -126,3 +127,12 @@ def test_four_stages_sigusr1_and_exact_resume(multistage):
     assert_matches_reference(out / "s4_usr1", out / "s4_resume_ref", steps=STEPS)
     saved = sorted(p.name for p in (out / "s4_resume_ref").glob("global_step*"))
     assert saved == ["global_step10", "global_step4", "global_step8"]
+    # validation through 4 stages, and the same validation losses after the resume
+    ref, got = _valid(out / "s4_resume_ref"), _valid(out / "s4_usr1")
+    assert sorted(ref) == [5, 10] and all(math.isfinite(v) for v in ref.values())
+    assert got[10] == ref[10]
+
+
+def _valid(run) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["valid_loss"] for r in rows if "valid_loss" in r}

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE, load_ds_config
@@ -221,3 +222,33 @@ def test_missing_ds_json_names_the_key(tmp_path):
     cfg = load_config("tiny_cpu", [f"train.deepspeed_config={tmp_path / 'nope.json'}"])
     with pytest.raises(ConfigError, match="train.deepspeed_config"):
         load_ds_config(cfg, dp=1)
+
+
+def test_receive_buffers_keep_their_dtype():
+    """A middle stage receives int64 ids and float gradients in the same tuple slot:
+    the pooled buffer must come back with the dtype asked for (DeepSpeed 0.19.8 returned an
+    int64 view for a float gradient: docs/design.md §2.1), reusing storage per dtype."""
+    import types
+
+    from megatron_branchnorm.pipeline import _typed_recv_buffer
+
+    engine = types.SimpleNamespace(device=torch.device("cpu"))
+    ids = _typed_recv_buffer(engine, 1, [4, 24], torch.int64)  # src_tokens, forward
+    grad = _typed_recv_buffer(engine, 1, [4, 20, 8], torch.float32)  # memory's gradient
+    assert ids.dtype == torch.int64 and grad.dtype == torch.float32
+    assert ids.data_ptr() != grad.data_ptr()
+    smaller = _typed_recv_buffer(engine, 1, [2, 10], torch.int64)
+    assert smaller.dtype == torch.int64 and smaller.shape == (2, 10)
+    assert smaller.data_ptr() == ids.data_ptr()  # reused, not reallocated
+    bigger = _typed_recv_buffer(engine, 1, [8, 24], torch.int64)
+    assert bigger.shape == (8, 24) and bigger.dtype == torch.int64
+
+
+def test_engine_fixes_refuse_another_deepspeed():
+    from megatron_branchnorm.pipeline import install_engine_fixes
+
+    class NotOurEngine:
+        _INSTRUCTION_MAP: dict = {}
+
+    with pytest.raises(RuntimeError, match="_allocate_or_extend_buffers is missing"):
+        install_engine_fixes(NotOurEngine())
