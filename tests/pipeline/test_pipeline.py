@@ -252,3 +252,24 @@ def test_engine_fixes_refuse_another_deepspeed():
 
     with pytest.raises(RuntimeError, match="_allocate_or_extend_buffers is missing"):
         install_engine_fixes(NotOurEngine())
+
+
+@pytest.mark.parametrize("stages,micro", [(3, 2), (4, 4), (16, 32)])
+def test_schedule_consumes_a_received_gradient_before_the_next_receive(stages, micro):
+    """What the (slot, dtype) pool relies on (pipeline._typed_recv_buffer): in DeepSpeed's
+    TrainSchedule every RecvGrad is followed, in the same step, by the BackwardPass of the
+    same buffer, with no other receive in between, on every stage."""
+    from deepspeed.runtime.pipe import schedule
+
+    for stage in range(stages):
+        steps = schedule.TrainSchedule(micro_batches=micro, stages=stages, stage_id=stage)
+        for cmds in steps.steps():
+            for i, cmd in enumerate(cmds):
+                if isinstance(cmd, schedule.RecvGrad):
+                    rest = cmds[i + 1 :]
+                    back = next(c for c in rest if isinstance(c, schedule.BackwardPass))
+                    assert back.buffer_id == cmd.buffer_id
+                    before = rest[: rest.index(back)]
+                    assert not any(
+                        isinstance(c, (schedule.RecvActivation, schedule.RecvGrad)) for c in before
+                    )
