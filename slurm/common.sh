@@ -20,6 +20,8 @@
 #   MASTER_PORT    rendezvous port (default: 20000 + job id mod 20000)
 #   GPU_MEMORY     per-GPU memory for the start-up plan printed by tools/plan_memory.py
 #   NO_REQUEUE=1   exit 75 instead of requeueing (for debugging)
+#   MB_SIGNAL_LEAD the --signal lead in seconds, when --signal is given on the sbatch command
+#                  line (the job cannot see it; see mb_signal_lead)
 
 MB_REQUEUE_EXIT_CODE=75 # megatron_branchnorm.trainer.REQUEUE_EXIT_CODE
 
@@ -60,6 +62,66 @@ mb_setup_rendezvous() {
     unset RANK WORLD_SIZE LOCAL_RANK # each srun task derives its own from SLURM_PROCID
 }
 
+# "[D-]HH:MM:SS", "HH:MM", "MM" (SLURM's time formats) -> seconds; "" for UNLIMITED and the like.
+mb_seconds() {
+    local t=$1 days=0 h=0 m=0 s=0
+    [[ $t =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$ ]] || return 0
+    if [[ $t == *-* ]]; then
+        days=${t%%-*}
+        t=${t#*-}
+        IFS=: read -r h m s <<<"$t" # D-HH[:MM[:SS]]
+    else
+        local parts
+        IFS=: read -r -a parts <<<"$t"
+        case ${#parts[@]} in
+        1) m=${parts[0]} ;;
+        2) m=${parts[0]} s=${parts[1]} ;;
+        *) h=${parts[0]} m=${parts[1]} s=${parts[2]} ;;
+        esac
+    fi
+    echo $(((10#$days * 24 + 10#${h:-0}) * 3600 + 10#${m:-0} * 60 + 10#${s:-0}))
+}
+
+# The SIGUSR1 lead: sets MB_LEAD (seconds, "" when the job asks for no signal) and
+# MB_LEAD_FROM (where it was read). SLURM shows a job's --signal to no client
+# (slurm_job_info_t has no such field, up to 26.x: not `scontrol show job`, not squeue), so
+# this reads what sbatch read: MB_SIGNAL_LEAD (seconds; set it when --signal is given on the
+# sbatch command line), else SBATCH_SIGNAL (sbatch's own variable, exported into the job),
+# else the `#SBATCH --signal` line of the job script ($0 is sbatch's copy of it).
+mb_signal_lead() {
+    local spec=""
+    MB_LEAD="" MB_LEAD_FROM=""
+    if [[ -n ${MB_SIGNAL_LEAD:-} ]]; then
+        MB_LEAD=$MB_SIGNAL_LEAD MB_LEAD_FROM="MB_SIGNAL_LEAD=$MB_SIGNAL_LEAD"
+        return 0
+    elif [[ -n ${SBATCH_SIGNAL:-} ]]; then
+        spec=$SBATCH_SIGNAL MB_LEAD_FROM="SBATCH_SIGNAL=$SBATCH_SIGNAL"
+    elif [[ -r $0 ]]; then
+        spec=$(sed -n -E 's/^#SBATCH[[:space:]]+--signal[=[:space:]]+([^[:space:]]+).*/\1/p' "$0" |
+            tail -n 1)
+        MB_LEAD_FROM="#SBATCH --signal=$spec"
+    fi
+    [[ -n $spec ]] || return 0
+    if [[ $spec == *@* ]]; then MB_LEAD=${spec##*@}; else MB_LEAD=60; fi # SLURM's default: 60
+}
+
+# Refuse a time limit at or below the signal lead: SLURM would send SIGUSR1 as soon as the
+# job starts, while the ranks are still importing, and kill them all (exit 138, no requeue).
+mb_check_time_limit() {
+    local limit_text limit
+    limit_text=$(scontrol show job "$SLURM_JOB_ID" |
+        sed -n -E 's/.*[[:space:]]TimeLimit=([^[:space:]]+).*/\1/p')
+    limit=$(mb_seconds "$limit_text")
+    mb_signal_lead
+    [[ -n $limit && -n $MB_LEAD ]] || return 0
+    [[ $MB_LEAD =~ ^[0-9]+$ ]] || mb_die "cannot read a signal lead from ${MB_LEAD_FROM}"
+    if ((limit <= MB_LEAD)); then
+        mb_die "time limit ${limit_text} (${limit} s) is at or below the SIGUSR1 lead of" \
+            "${MB_LEAD} s (${MB_LEAD_FROM}): the signal would reach the ranks while they start;" \
+            "ask for a longer --time or a shorter lead (SBATCH_SIGNAL=USR1@SECONDS sbatch ...)"
+    fi
+}
+
 # Collect the trainer's key=value overrides into the array MB_OVERRIDES. (It is expanded as
 # ${MB_OVERRIDES[@]+"${MB_OVERRIDES[@]}"}: bash < 4.4 treats an empty array as unset under -u.)
 mb_collect_overrides() {
@@ -81,6 +143,7 @@ mb_launch() {
     : "${CONFIG:?CONFIG is not set}"
     mb_setup_python
     mb_setup_rendezvous
+    mb_check_time_limit
     mb_collect_overrides
     mb_log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}:" \
         "${NNODES} node(s) x ${GPUS_PER_NODE} rank(s); master ${MASTER_ADDR}:${MASTER_PORT}"

@@ -1,4 +1,4 @@
-"""slurm/tiny_cpu.sh on a real one-node SLURM: a job runs to completion, and a job signalled
+"""slurm/tiny_cpu.sh on one node of a real SLURM: a job runs to completion, and a job signalled
 with SIGUSR1 checkpoints, requeues itself and finishes with a continuous metrics log that
 equals the uninterrupted run's (DESIGN.md §6, §8, §10)."""
 
@@ -27,7 +27,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
-def submit(cluster: Cluster, work: Path, env_extra: dict) -> str:
+def submit(cluster: Cluster, work: Path, env_extra: dict, *options: str) -> str:
     """sbatch slurm/tiny_cpu.sh from the checkout, its log and cwd in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     env = dict(cluster.env, **env_extra)
@@ -36,6 +36,7 @@ def submit(cluster: Cluster, work: Path, env_extra: dict) -> str:
         "--parsable",
         f"--chdir={work}",
         f"--output={work}/%x-%j.out",
+        *options,
         str(ROOT / "slurm" / "tiny_cpu.sh"),
         env=env,
         cwd=ROOT,
@@ -45,16 +46,12 @@ def submit(cluster: Cluster, work: Path, env_extra: dict) -> str:
 
 def wait_done(cluster: Cluster, job_id: str, timeout: float, log: Path) -> str:
     """Wait until the job leaves the queue for good; returns its final state."""
-    deadline = time.time() + timeout
-    state = ""
-    while time.time() < deadline:
-        state = cluster.job_field(job_id, "JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            return state
-        time.sleep(1)
+    state = cluster.wait_job(job_id, timeout)
+    if state:
+        return state
     cluster.run("scancel", job_id, check=False)
     text = log.read_text()[-3000:] if log.is_file() else "(no job log)"
-    pytest.fail(f"job {job_id} still {state} after {timeout:.0f}s\n{text}\n{cluster.logs()}")
+    pytest.fail(f"job {job_id} still running after {timeout:.0f}s\n{text}\n{cluster.logs()}")
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +116,27 @@ def test_sigusr1_checkpoints_requeues_and_resumes(completed_job, slurm_cluster, 
     for r in rows:
         for key in ("loss", "nll_loss", "lr", "alpha", "grad_norm"):
             assert r[key] == reference[r["step"]][key], (r["step"], key)
+
+
+@pytest.mark.parametrize(
+    "time_limit,env_extra,lead",
+    [
+        ("1", {}, "60 s (#SBATCH --signal=USR1@60)"),  # the script's own lead
+        ("2", {"SBATCH_SIGNAL": "USR1@150"}, "150 s (SBATCH_SIGNAL=USR1@150)"),
+    ],
+)
+def test_time_limit_at_or_below_the_signal_lead_is_refused(
+    slurm_cluster, tmp_path, time_limit, env_extra, lead
+):
+    """--time not above the --signal lead: one clear line and exit 2 before srun starts
+    (SLURM would otherwise signal the ranks while they import, and they would die)."""
+    env = dict(env_extra, VENV=str(ROOT / ".venv"), SAVE_DIR=str(tmp_path / "run"))
+    job_id = submit(slurm_cluster, tmp_path, env, f"--time={time_limit}")
+    log = tmp_path / f"tiny_cpu-{job_id}.out"
+    assert wait_done(slurm_cluster, job_id, 60, log) == "FAILED"
+    assert slurm_cluster.job_field(job_id, "ExitCode") == "2:0"
+    assert slurm_cluster.job_field(job_id, "Restarts") == "0"
+    errors = [line for line in log.read_text().splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    assert f"is at or below the SIGUSR1 lead of {lead}" in errors[0]
+    assert not (tmp_path / "run").exists()  # no rank started
