@@ -273,8 +273,10 @@ class Cluster:
                 if not self.run("squeue", "-h", "-t", "R,CG", check=False).stdout.strip():
                     break
                 time.sleep(0.5)
-        for pid_file in self.pid_files():
-            _stop(pid_file)
+        files = self.pid_files()
+        _stop(files[:-2])  # the slurmd daemons
+        _stop(files[-2:-1])  # slurmctld
+        _stop(files[-1:])  # munged
 
 
 def _node_index(name: str) -> int:
@@ -282,30 +284,43 @@ def _node_index(name: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
-def _stop(pid_file: Path, timeout: float = 10.0) -> None:
-    """SIGTERM the daemon whose pid file we wrote, then wait for it."""
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pid_file.unlink(missing_ok=True)
-        return
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def _stop(pid_files: list[Path], timeout: float = 10.0) -> None:
+    """SIGTERM the daemons whose pid files we wrote, wait for them, SIGKILL what is left."""
+    pids = []
+    for pid_file in pid_files:
         try:
-            os.kill(pid, 0)
+            pid = int(pid_file.read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+        except (OSError, ValueError):
+            pass  # no pid file, or the daemon is gone already
+        pid_file.unlink(missing_ok=True)
+    deadline = time.time() + timeout
+    while pids and time.time() < deadline:
+        time.sleep(0.1)
+        pids = [pid for pid in pids if _alive(pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            pid_file.unlink(missing_ok=True)
-            return
-        time.sleep(0.2)
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie does not; one that is our child is reaped)."""
     try:
-        os.kill(pid, signal.SIGKILL)
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except ProcessLookupError:
-        pass
-    pid_file.unlink(missing_ok=True)
+        return False
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def write_config(

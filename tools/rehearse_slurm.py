@@ -5,12 +5,12 @@ the job requeues, resumes and finishes, and metrics.jsonl has every step once. P
 the figures (start-up, time per update, signal to exit, save, requeue to resume, total) and the
 exact sbatch command; exit 0 when every check passed.
 
-    flock /tmp/mbn_heavy.lock python tools/rehearse_slurm.py          # opus100_1000L, 4 x 8 ranks
+    python tools/rehearse_slurm.py                                     # opus100_1000L, 4 x 8 ranks
     python tools/rehearse_slurm.py --launcher slurm/opus100_200L.sh --nodes 2
     python tools/rehearse_slurm.py --cluster /tmp/mbslurm              # a cluster already started
 
-The 1000-layer case needs ~13 GB of memory for its 32 ranks. Logic:
-megatron_branchnorm/rehearse_slurm.py and megatron_branchnorm/local_slurm.py.
+The 1000-layer case needs ~10-13 GB of memory for its 32 ranks and ~13 minutes on 2 cores: run
+it alone. Logic: megatron_branchnorm/rehearse_slurm.py and megatron_branchnorm/local_slurm.py.
 """
 
 from __future__ import annotations
