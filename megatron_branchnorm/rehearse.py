@@ -19,7 +19,7 @@ in its environment, as under ``srun``. Five runs:
 
 Then the checks (each pass or fail; the tool exits 1 when one fails):
 
-1. parity: the uninterrupted run's updates equal the reference's (DESIGN.md §10: 1e-4
+1. parity: the uninterrupted run's updates equal the reference's (docs/design.md §5: 1e-4
    relative loss per step; lr and alpha exactly);
 2. exact resume: the interrupted + resumed run's loss, nll, lr, alpha and grad norm equal the
    uninterrupted run's bit for bit; its metrics.jsonl has every step once;
@@ -77,7 +77,7 @@ RUN_KEYS: tuple[str, ...] = (
 )
 """Every update logged; checkpoints only at the end or on the signal; no validation."""
 LOSS_RTOL = 1e-4
-"""S stages vs 1 stage, relative loss per step (DESIGN.md §10)."""
+"""S stages vs 1 stage, relative loss per step (docs/design.md §5)."""
 EXPORT_RTOL = 1e-4
 """Export vs checkpoint logits, relative to their largest magnitude."""
 REQUEUE_EXIT_CODE = 75  # megatron_branchnorm.trainer.REQUEUE_EXIT_CODE (not imported: no torch)

@@ -1,6 +1,6 @@
 """A shipped GPU launcher, unchanged, on a real 2-node SLURM (2 x 4 CPU ranks = 4 pipeline stages
 x 2 data-parallel): SIGUSR1 mid-run makes every rank checkpoint and exit 75, the job requeues
-itself, resumes and finishes with a continuous metrics log (DESIGN.md §6, §8; docs/slurm.md).
+itself, resumes and finishes with a continuous metrics log (docs/slurm.md).
 The same check at the launcher's full topology is tools/rehearse_slurm.py."""
 
 from __future__ import annotations
