@@ -707,17 +707,7 @@ def train_spm(out_dir: Path, vocab_size: int) -> Path:
 
     import sentencepiece as spm
 
-    from megatron_branchnorm.tokens import (
-        BOS,
-        BOS_ID,
-        EOS,
-        EOS_ID,
-        PAD,
-        PAD_ID,
-        UNK,
-        UNK_ID,
-        lang_tag,
-    )
+    from megatron_branchnorm.tokens import SPM_SPECIALS, lang_tag
 
     out_dir.mkdir(parents=True, exist_ok=True)
     words = "the a cat dog sits runs on under mat house big small red open close file".split()
@@ -729,14 +719,7 @@ def train_spm(out_dir: Path, vocab_size: int) -> Path:
         model_prefix=str(out_dir / "spm"),
         vocab_size=vocab_size,
         hard_vocab_limit=False,
-        pad_id=PAD_ID,
-        unk_id=UNK_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        pad_piece=PAD,
-        unk_piece=UNK,
-        bos_piece=BOS,
-        eos_piece=EOS,
+        **SPM_SPECIALS,
         user_defined_symbols=[lang_tag(lang) for lang in SYNTHETIC_LANGS],
         character_coverage=1.0,
         num_threads=1,

@@ -16,6 +16,18 @@ EOS_ID = 3
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
+SPM_SPECIALS = {
+    "pad_id": PAD_ID,
+    "unk_id": UNK_ID,
+    "bos_id": BOS_ID,
+    "eos_id": EOS_ID,
+    "pad_piece": PAD,
+    "unk_piece": UNK,
+    "bos_piece": BOS,
+    "eos_piece": EOS,
+}
+"""SentencePieceTrainer.train arguments that give the special pieces our ids."""
+
 
 def lang_tag(lang: str) -> str:
     """The target-language tag token for ``lang`` (e.g. ``<2de>``)."""

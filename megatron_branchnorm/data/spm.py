@@ -19,7 +19,7 @@ import sentencepiece as sp
 
 from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.sampling import allocate, temperature_probs
-from megatron_branchnorm.tokens import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, UNK_ID, lang_tag
+from megatron_branchnorm.tokens import SPM_SPECIALS, lang_tag
 
 MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
@@ -91,14 +91,7 @@ def train_spm(
             vocab_size=opts.vocab_size,
             model_type=opts.model_type,
             character_coverage=opts.character_coverage,
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            pad_piece=PAD,
-            unk_piece=UNK,
-            bos_piece=BOS,
-            eos_piece=EOS,
+            **SPM_SPECIALS,
             user_defined_symbols=tags,
             num_threads=1,
             input_sentence_size=0,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model import EncoderDecoder, build_model
-from megatron_branchnorm.tokens import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, UNK_ID, lang_tag
+from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, SPM_SPECIALS, lang_tag
 
 COPY_VOCAB = 16
 COPY_TAG = 4  # the one "language tag" of the copy task
@@ -113,14 +113,7 @@ def train_spm(out_dir: Path, vocab_size: int = 96) -> Path:
         input=str(text),
         model_prefix=str(prefix),
         vocab_size=vocab_size,
-        pad_id=PAD_ID,
-        unk_id=UNK_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        pad_piece=PAD,
-        unk_piece=UNK,
-        bos_piece=BOS,
-        eos_piece=EOS,
+        **SPM_SPECIALS,
         user_defined_symbols=[lang_tag(lang) for lang in LANGS],
         character_coverage=1.0,
         num_threads=1,
