@@ -645,7 +645,10 @@ class Trainer:
         continues from the step."""
         from megatron_branchnorm.inference.convert import read_checkpoint
 
-        _, flat = read_checkpoint(tag_dir, verify=False)  # maybe_resume verified it
+        # Only this stage's layer files, and entry 0 (the tied embedding is saved there): a
+        # rank of a 1000-layer model must not load the whole model to keep 1/16 of it.
+        mine = set(range(self.parts[self.stage_id], self.parts[self.stage_id + 1])) | {0}
+        _, flat = read_checkpoint(tag_dir, verify=False, indices=mine)  # maybe_resume verified
         names = spec_names(self.cfg.model)
         state = {}
         for key in self.module.state_dict():

@@ -52,9 +52,12 @@ def resolve_tags(save_dir: Path, tag: str | None, average_last: int = 1) -> list
     return [ckpt.tag_for(s) for s in complete[-average_last:]]
 
 
-def read_checkpoint(tag_dir: Path, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_checkpoint(
+    tag_dir: Path, verify: bool = True, indices: set[int] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(saved training info, flat state dict) of one checkpoint directory, verified against
-    its checksums unless the caller already did (``verify=False``)."""
+    its checksums unless the caller already did (``verify=False``); with ``indices``, only
+    the layer files of those layer-list indices are read."""
     if verify:
         try:
             ckpt.verify_checkpoint(tag_dir)
@@ -74,6 +77,8 @@ def read_checkpoint(tag_dir: Path, verify: bool = True) -> tuple[dict, dict[str,
         idx = int(match.group(1))
         if idx not in names:
             raise ConvertError(f"{path}: layer index {idx} is not in the saved layout")
+        if indices is not None and idx not in indices:
+            continue
         try:
             layer = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
