@@ -44,7 +44,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.demo import free_port
 
 SHRINK: tuple[str, ...] = (
     "model.vocab_size=64",
@@ -275,13 +275,6 @@ def run_overrides(plan: Plan, name: str, save_dir: Path) -> list[str]:
 STEP_LINE = re.compile(r"^step (\d+) \| loss")
 SAVE_LINE = re.compile(r"^saved checkpoint (\S+) in ([0-9.]+)s")
 RESUME_LINE = re.compile(r"^resumed from (\S+) at step (\d+)")
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def used_memory_mb() -> float:

@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.rehearse import rank_env  # the environment srun + common.sh give
+
+__all__ = ["ROOT", "free_port", "launch_ranks", "rank_env"]
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    return env
 
 
 def launch_ranks(
