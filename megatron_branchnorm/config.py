@@ -11,6 +11,7 @@ Validation never rewrites a field: what you wrote is what runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from megatron_branchnorm.cli import quote
+from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -174,6 +178,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+MAX_INT = 2**31 - 1
+"""Largest integer a config key takes: layer counts, sizes, steps and seeds all fit; a larger
+one is a typo that would otherwise surface as an allocation or overflow traceback."""
 _YAML11_MISSED_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -192,23 +199,32 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"config key {key}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"config key {key}: bad value {quote(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise ConfigError(
+                    f"config key {key}: {quote(value)} is out of range (|x| <= {MAX_INT})"
+                )
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _YAML11_MISSED_FLOAT.fullmatch(value.strip()):
-            return float(value)  # PyYAML (YAML 1.1) reads 3e-4 / 1E5 as strings
+            number = float(value) if abs(value) <= 1e300 else math.inf
+        elif isinstance(value, str) and _YAML11_MISSED_FLOAT.fullmatch(value.strip()):
+            number = float(value)  # PyYAML (YAML 1.1) reads 3e-4 / 1E5 as strings
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"config key {key}: must be a finite number, got {quote(value)}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
     raise ConfigError(
-        f"config key {key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        f"config key {key}: expected {_type_name(tp)}, got {type(value).__name__} {quote(value)}"
     )
 
 
@@ -258,7 +274,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_bounded(text, str(path))
+    except YAMLLimitError as exc:
+        raise ConfigError(str(exc)) from None
     except yaml.YAMLError as exc:
         msg = " ".join(str(exc).split())
         raise ConfigError(f"{path}: invalid YAML: {msg}") from None
@@ -273,17 +291,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply dotted ``section.key=value`` overrides (values parsed as YAML scalars)."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected section.key=value")
+            raise ConfigError(f"override {quote(item)}: expected section.key=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"config key {key}: overrides take the form section.key=value")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = load_bounded(raw, f"override {key}") if raw != "" else ""
+        except YAMLLimitError as exc:
+            raise ConfigError(str(exc)) from None
         except yaml.YAMLError:
             value = raw
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"config key {key}: expected a scalar value, got {raw!r}")
+            raise ConfigError(f"config key {key}: expected a scalar value, got {quote(raw)}")
         section = data.setdefault(parts[0], {})
         if not isinstance(section, dict):
             raise ConfigError(f"config key {parts[0]}: expected a mapping")
@@ -360,17 +380,17 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _check(
         m.residual in RESIDUAL_SCHEMES,
         f"{prefix}.residual",
-        f"unknown scheme {m.residual!r} (choose from {', '.join(RESIDUAL_SCHEMES)})",
+        f"unknown scheme {quote(m.residual)} (choose from {', '.join(RESIDUAL_SCHEMES)})",
     )
     _check(
         m.branchnorm_schedule in BRANCHNORM_SCHEDULES,
         f"{prefix}.branchnorm_schedule",
-        f"unknown schedule {m.branchnorm_schedule!r} (choose from {', '.join(BRANCHNORM_SCHEDULES)})",
+        f"unknown schedule {quote(m.branchnorm_schedule)} (choose from {', '.join(BRANCHNORM_SCHEDULES)})",
     )
     _check(
         m.branch_init in BRANCH_INITS,
         f"{prefix}.branch_init",
-        f"unknown init {m.branch_init!r} (choose from {', '.join(BRANCH_INITS)})",
+        f"unknown init {quote(m.branch_init)} (choose from {', '.join(BRANCH_INITS)})",
     )
     _check(
         m.branchnorm_steps >= 1,
@@ -383,12 +403,12 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _check(
         m.activation in ACTIVATIONS,
         f"{prefix}.activation",
-        f"unknown activation {m.activation!r} (choose from {', '.join(ACTIVATIONS)})",
+        f"unknown activation {quote(m.activation)} (choose from {', '.join(ACTIVATIONS)})",
     )
     _check(
         m.layernorm_impl in LAYERNORM_IMPLS,
         f"{prefix}.layernorm_impl",
-        f"unknown implementation {m.layernorm_impl!r} (choose from {', '.join(LAYERNORM_IMPLS)})",
+        f"unknown implementation {quote(m.layernorm_impl)} (choose from {', '.join(LAYERNORM_IMPLS)})",
     )
     _check(m.layernorm_eps > 0, f"{prefix}.layernorm_eps", f"must be > 0, got {m.layernorm_eps}")
     _check(m.max_positions >= 2, f"{prefix}.max_positions", f"must be >= 2, got {m.max_positions}")
@@ -450,6 +470,7 @@ def validate(cfg: ExperimentConfig) -> None:
         f"must be in [0, 1), got {t.label_smoothing}",
     )
     _check(t.clip_grad >= 0, "train.clip_grad", f"must be >= 0, got {t.clip_grad}")
+    _check(t.seed >= 0, "train.seed", f"must be >= 0, got {t.seed}")
     _check(bool(t.save_dir), "train.save_dir", "must not be empty")
     _check(t.save_interval >= 0, "train.save_interval", f"must be >= 0, got {t.save_interval}")
     _check(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ModelConfig
 
 KINDS = ("embed", "enc", "enc_final", "dec_embed", "dec", "dec_final", "output")
@@ -120,16 +121,18 @@ def layout_parts(cfg: ModelConfig, layout: str) -> list[int]:
         for tok in stage_text.split():
             match = _TOKEN.match(tok)
             if not match:
-                raise ConfigError(f"config key {key}: bad layout token {tok!r} in {layout!r}")
+                raise ConfigError(
+                    f"config key {key}: bad layout token {quote(tok)} in {quote(layout)}"
+                )
             items += [match.group(1)] * int(match.group(2) or 1)
         if not items:
-            raise ConfigError(f"config key {key}: empty stage in layout {layout!r}")
+            raise ConfigError(f"config key {key}: empty stage in layout {quote(layout)}")
         counted.append(items)
     expected = ["E"] + ["e"] * cfg.encoder_layers + ["d"] * cfg.decoder_layers + ["L"]
     flat = [x for items in counted for x in items]
     if flat != expected:
         raise ConfigError(
-            f"config key {key}: layout {layout!r} does not spell E e*{cfg.encoder_layers} "
+            f"config key {key}: layout {quote(layout)} does not spell E e*{cfg.encoder_layers} "
             f"d*{cfg.decoder_layers} L in order"
         )
     n = cfg.encoder_layers

@@ -23,7 +23,9 @@ from megatron_branchnorm import stop_signals  # noqa: E402
 stop_signals.install()
 
 from megatron_branchnorm.checkpoint import CheckpointError  # noqa: E402
+from megatron_branchnorm.cli import run_main  # noqa: E402
 from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
+from megatron_branchnorm.data.errors import DataError  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,17 +49,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: parse, build, run."""
+def _train(argv: list[str] | None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from megatron_branchnorm.trainer import run
+    cfg = load_config(args.config, args.overrides)
+    from megatron_branchnorm.trainer import run
 
-        return run(cfg)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse, build, run. Bad input (config, data, checkpoint, DeepSpeed JSON,
+    save_dir, a full disk) is one line and exit 2 on every rank; Ctrl-C exits 130."""
+    from megatron_branchnorm.trainer import TrainError
+
+    return run_main(_train, argv, errors=(ConfigError, CheckpointError, DataError, TrainError))
 
 
 if __name__ == "__main__":

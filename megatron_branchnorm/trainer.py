@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -23,7 +24,9 @@ import math
 import os
 import resource
 import shutil
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm import stop_signals
+from megatron_branchnorm import resume_policy, stop_signals
+from megatron_branchnorm.cli import describe_os_error, one_line, quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm
@@ -44,9 +48,16 @@ from megatron_branchnorm.pipeline import (
     pipe_to_flat_key,
     set_pipeline_step,
 )
+from megatron_branchnorm.run_lock import LockError, RunLock
 from megatron_branchnorm.tokens import PAD_ID
 
 logger = logging.getLogger("megatron_branchnorm")
+
+
+class TrainError(RuntimeError):
+    """A failure every rank reports the same way (one line, exit 2): a full disk during a
+    save, a save_dir held by another run."""
+
 
 REQUEUE_EXIT_CODE = 75
 """Exit code after a signal-triggered checkpoint (EX_TEMPFAIL): job scripts requeue on it."""
@@ -60,22 +71,16 @@ Comma-separated items:
 ``inf_grad@T[xN][:stageS]``: one gradient element on stage S (default the last) is +inf;
 ``save_exit@POINT[:rankR][:stepN]``: rank R (default 0) calls ``os._exit(FAULT_EXIT_CODE)``
 at POINT of the save at step N (default the first save); POINT is one of SAVE_POINTS;
-``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run).
+``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run);
+``enospc@PHASE[:rankR]``: rank R (default 0) gets ENOSPC ("no space left on device") in PHASE:
+``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (rank 0's
+``metrics.jsonl``).
 """
 FAULT_EXIT_CODE = 86
 SAVE_POINTS = ("engine_file", "after_engine", "after_rng", "after_config", "after_manifest")
 """Where a save can be cut: after DeepSpeed's first file of this rank, after DeepSpeed's
 save, after the RNG file, after train_config.json, after the manifest (``latest`` not moved)."""
 
-ARCH_KEYS = (
-    "encoder_layers",
-    "decoder_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "vocab_size",
-    "residual",
-)
 YAML_OWNED_DS_KEYS = {
     "train_batch_size": "train.micro_batches",
     "train_micro_batch_size_per_gpu": "data.max_tokens",
@@ -122,9 +127,64 @@ def set_thread_count() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = max(1, (cores or 1) // max(1, local))
     if "OMP_NUM_THREADS" in os.environ:
-        threads = int(os.environ["OMP_NUM_THREADS"])
+        raw = os.environ["OMP_NUM_THREADS"]
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ConfigError(
+                f"environment variable OMP_NUM_THREADS: expected a count >= 1, got {raw!r}"
+            )
+        threads = int(raw)
     torch.set_num_threads(threads)
     return threads
+
+
+DS_SCALAR_TYPES: dict[str, dict[str, type]] = {
+    "": {
+        "steps_per_print": int,
+        "wall_clock_breakdown": bool,
+        "memory_breakdown": bool,
+        "prescale_gradients": bool,
+        "gradient_predivide_factor": float,
+        "zero_allow_untested_optimizer": bool,
+        "dump_state": bool,
+        "dataloader_drop_last": bool,
+    },
+    "fp16": {
+        "enabled": bool,
+        "loss_scale": float,
+        "initial_scale_power": int,
+        "loss_scale_window": int,
+        "hysteresis": int,
+        "consecutive_hysteresis": bool,
+        "min_loss_scale": float,
+        "auto_cast": bool,
+    },
+    "bf16": {"enabled": bool, "immediate_grad_update": bool},
+    "zero_optimization": {"stage": int},
+}
+"""Types of the DeepSpeed JSON keys DeepSpeed reads without checking them (a string where a
+number belongs fails mid-update as a TypeError); pydantic-validated sections are checked by
+DeepSpeed itself at initialisation."""
+
+
+def check_ds_types(ds: dict, path: Path) -> None:
+    """Every key of :data:`DS_SCALAR_TYPES` present in ``ds`` has its type (a finite number
+    where a number belongs); a ConfigError naming the JSON and the key otherwise."""
+    for section, types_ in DS_SCALAR_TYPES.items():
+        values = ds if not section else ds.get(section, {})
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{path}: key {section} must be an object, got {type(values).__name__}"
+            )
+        for key, tp in types_.items():
+            if key not in values:
+                continue
+            v, name = values[key], f"{section}.{key}" if section else key
+            ok = isinstance(v, tp) and not (tp is not bool and isinstance(v, bool))
+            if tp is float:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok:
+                want = {bool: "true or false", int: "an integer", float: "a finite number"}[tp]
+                raise ConfigError(f"{path}: key {name} must be {want}, got {quote(v)}")
 
 
 def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
@@ -144,7 +204,10 @@ def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
     for key, owner in YAML_OWNED_DS_KEYS.items():
         if key in ds:
             raise ConfigError(f"{path}: key {key} is owned by the YAML config ({owner}); remove it")
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    check_ds_types(ds, path)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if not 0 <= stage <= 3:
+        raise ConfigError(f"{path}: key zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     if stage >= 2:
         raise ConfigError(
             f"{path}: zero_optimization.stage={stage}: DeepSpeed pipeline parallelism supports "
@@ -231,6 +294,11 @@ def parse_faults(spec: str) -> dict:
             faults[kind] = entry
         elif kind == "slow":
             faults[kind] = float(rest)
+        elif kind == "enospc" and fields[0] in ("engine", "manifest", "metrics"):
+            entry = {"phase": fields[0], "rank": 0}
+            for f in fields[1:]:
+                entry["rank"] = int(f.removeprefix("rank"))
+            faults[kind] = entry
         else:
             raise ConfigError(f"{FAULT_ENV}: cannot parse {item!r}")
     return faults
@@ -268,6 +336,60 @@ def resolve_vocab(cfg: ExperimentConfig) -> ExperimentConfig:
             f"manifest's vocab_size={vocab} ({cfg.data.dataset}/manifest.json)"
         )
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+SPM_IN_CHECKPOINT = "spm.model"
+"""The training SentencePiece model's copy in every checkpoint tag directory."""
+
+
+def vocab_identity(cfg: ExperimentConfig) -> tuple[dict | None, str | None]:
+    """(``{"spm_sha256", "vocab_size", "path"}`` of the run's SentencePiece model, sha256 of
+    the data manifest); (None, None) for synthetic data. The model must be a plain file name
+    inside DATA_DIR (a manifest cannot point at any file of the machine)."""
+    if cfg.data.dataset == "synthetic":
+        return None, None
+    from megatron_branchnorm.data import open_manifest
+
+    data_dir = Path(cfg.data.dataset)
+    manifest = open_manifest(data_dir)
+    name = manifest["spm_model"]
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise ConfigError(
+            f"{data_dir / 'manifest.json'}: key spm_model must be a file name inside the data "
+            f"directory, got {name!r}"
+        )
+    path = data_dir / name
+    vocab = {
+        "spm_sha256": ckpt.sha256_file(path),
+        "vocab_size": int(manifest["vocab_size"]),
+        "path": str(path),
+    }
+    return vocab, ckpt.sha256_file(data_dir / "manifest.json")
+
+
+def check_writable(save_dir: Path) -> None:
+    """Create ``save_dir`` and write a probe file there; a one-line error naming the key
+    otherwise (a file in the way, a read-only or full file system, permissions)."""
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        probe = f".write-probe-{socket.gethostname()}-{os.getpid()}-"
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=probe) as fh:
+            fh.write(b"x")
+            fh.flush()
+    except OSError as exc:
+        raise ConfigError(
+            f"config key train.save_dir: cannot write there: {describe_os_error(exc)}"
+        ) from None
+
+
+def precision_of(ds_config: dict) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` with the ZeRO stage: what DeepSpeed's optimizer state
+    depends on."""
+    kind = "fp32"
+    for name in ("bf16", "fp16"):
+        if ds_config.get(name, {}).get("enabled"):
+            kind = name
+    return f"{kind}, ZeRO-{ds_config.get('zero_optimization', {}).get('stage', 0)}"
 
 
 def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool):
@@ -340,13 +462,63 @@ class Trainer:
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
         self.injected: dict[str, int] = {}
         self._pending_inf = False
+        self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
+        check_writable(self.save_dir)  # every rank, before any collective: all fail alike
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
         if backend == "gloo":
             release_shm_workspace(self.rank)
+        self.lock: RunLock | None = None
+        self._take_lock()
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lock(self) -> None:
+        """Rank 0 takes ``SAVE_DIR/run.lock`` (module run_lock); every rank learns the
+        outcome, so a refused start exits 2 on every rank with the same line."""
+        error = None
+        if self.rank == 0:
+            lock = RunLock(self.save_dir)
+            try:
+                lock.acquire()
+                self.lock = lock
+                for warning in lock.warnings:
+                    print(f"warning: {warning}", flush=True)
+            except (LockError, OSError) as exc:
+                error = str(exc) if isinstance(exc, LockError) else describe_os_error(exc)
+        self.agree_or_raise(error)
+
+    def agree_or_raise(self, error: str | None) -> None:
+        """Collective: raise :class:`TrainError` on every rank when any rank has an error
+        (each rank passes its own, or None), with the first failing rank's message."""
+        errors = [error]
+        if self.world > 1:
+            errors = [None] * self.world
+            dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, msg = failed[0]
+            where = f" (rank {rank})" if self.world > 1 else ""
+            raise TrainError(f"{msg}{where}")
+
+    def close(self) -> None:
+        """Release the save_dir's lock (rank 0) and the TensorBoard writer."""
+        if getattr(self, "tb", None):
+            self.tb.close()
+            self.tb = None
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _build(self, cfg: ExperimentConfig) -> None:
+        """The stage's module, DeepSpeed's engine, the data: everything after the lock."""
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
         module = build_pipeline_module(
@@ -370,9 +542,15 @@ class Trainer:
             fused=True,  # one kernel per parameter, CPU or CUDA (7x the for-loop: docs/performance.md)
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_factor(cfg))
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
-        )
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+            )
+        except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError included
+            raise ConfigError(
+                f"config key train.deepspeed_config: {cfg.train.deepspeed_config}: DeepSpeed "
+                f"rejects it: {one_line(str(exc), 300)}"
+            ) from None
         install_engine_fixes(self.engine)
         self.module = module
         self.optimizer = optimizer
@@ -389,6 +567,10 @@ class Trainer:
         self.ids_hash = ""
         self.is_logger = self.rank == 0
         self.tb = None
+        self.local_error: str | None = None  # an error of this rank only, agreed on each update
+        self.save_error: str | None = None  # this rank's part of the save in progress failed
+        self.resumed_from: str | None = None
+        self.config_changes: dict[str, list] = {}
         self._valid: list[dict] | None = None
 
     # ---- grad norm in fp32 mode --------------------------------------------------------------
@@ -465,10 +647,19 @@ class Trainer:
             print(msg, flush=True)
 
     def _write_metrics(self, record: dict) -> None:
-        if not self.is_logger:
+        if not self.is_logger or self.local_error is not None:
             return
-        with open(self.save_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        try:
+            f = self.faults.get("enospc")
+            if f is not None and f["phase"] == "metrics" and f["rank"] == self.rank:
+                raise OSError(errno.ENOSPC, "fault injection", str(self.save_dir / "metrics.jsonl"))
+            with open(self.save_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            # Only this rank knows: the others learn it at the next agreement (_agree_to_stop)
+            # and all ranks stop with this line instead of waiting for this one in a collective.
+            self.local_error = f"cannot write metrics: {describe_os_error(exc)}"
+            return
         if self.tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -551,7 +742,13 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Checkpoint at the current step; ``latest`` moves only once it is complete."""
+        """Checkpoint at the current step; ``latest`` moves only once it is complete.
+
+        A rank whose part of the save fails (a full disk, a quota) does not leave the others
+        waiting in a barrier: the failure is agreed on (:meth:`agree_or_raise`) and every rank
+        raises the same one-line :class:`TrainError`. The tag then has no manifest, so it is
+        never loaded, and ``latest`` still names the last complete checkpoint.
+        """
         tag = ckpt.tag_for(self.step)
         tag_dir = self.save_dir / tag
         client = {
@@ -561,43 +758,80 @@ class Trainer:
             "spec_names": spec_names(self.cfg.model),
             "parts": self.parts,
             "config": self.cfg.to_dict(),
+            "vocab": None
+            if self.vocab is None
+            else {k: self.vocab[k] for k in ("spm_sha256", "vocab_size")},
+            "data_manifest_sha256": self.data_manifest_sha256,
+            "precision": precision_of(self.ds_config),
         }
         t0 = time.time()
         if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
             shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
         dist.barrier()
-        if "save_exit" in self.faults:
-            self._wrap_checkpoint_engine()
+        self._guard_checkpoint_engine()
+        self.save_error = None
         self.engine.save_checkpoint(
             str(self.save_dir), tag=tag, client_state=client, save_latest=False
         )
         self._maybe_exit_in_save("after_engine")
-        torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
+        if self.save_error is None:
+            try:
+                torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
+            except OSError as exc:
+                self.save_error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         self._maybe_exit_in_save("after_rng")
-        dist.barrier()
+        self.agree_or_raise(self.save_error)
+        error = None
         if self.rank == 0:
-            (tag_dir / "train_config.json").write_text(
-                json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
-            )
-            self._maybe_exit_in_save("after_config")
-            ckpt.write_manifest(tag_dir, self.step)
-            self._maybe_exit_in_save("after_manifest")
-            ckpt.write_latest(self.save_dir, tag)
-        dist.barrier()
+            try:
+                self._maybe_fail_in_save("manifest")
+                if self.vocab is not None:
+                    shutil.copyfile(self.vocab["path"], tag_dir / SPM_IN_CHECKPOINT)
+                (tag_dir / "train_config.json").write_text(
+                    json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
+                )
+                self._maybe_exit_in_save("after_config")
+                ckpt.write_manifest(tag_dir, self.step)
+                self._maybe_exit_in_save("after_manifest")
+                ckpt.write_latest(self.save_dir, tag)
+            except OSError as exc:
+                error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+        self.agree_or_raise(error)
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
 
-    def _wrap_checkpoint_engine(self) -> None:
+    def _maybe_fail_in_save(self, phase: str) -> None:
+        """Test-only (``enospc@PHASE[:rankR]`` in FAULT_ENV): a full disk in this phase."""
+        f = self.faults.get("enospc")
+        if f is not None and f["phase"] == phase and f["rank"] == self.rank:
+            path = self.save_dir / ckpt.tag_for(self.step)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def _guard_checkpoint_engine(self) -> None:
+        """Wrap DeepSpeed's checkpoint engine's ``save`` (every file DeepSpeed writes): an
+        OSError (a full disk) is recorded in :attr:`save_error` instead of raised, and the
+        rank's remaining files are skipped, so DeepSpeed's own collectives in
+        ``save_checkpoint`` (tag validation, its final barrier) still match across ranks and
+        the failure is agreed on afterwards. Also the test-only faults ``save_exit@engine_file``
+        and ``enospc@engine``."""
         engine = self.engine.checkpoint_engine
-        if getattr(engine, "_fault_wrapped", False):
+        if getattr(engine, "_mbn_guarded", False):
             return
         save = engine.save
 
-        def save_then_maybe_exit(*args, **kwargs):
-            out = save(*args, **kwargs)
+        def guarded_save(*args, **kwargs):
+            if self.save_error is not None:
+                return None
+            try:
+                self._maybe_fail_in_save("engine")
+                out = save(*args, **kwargs)
+            except OSError as exc:
+                tag_dir = self.save_dir / ckpt.tag_for(self.step)
+                self.save_error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+                return None
             self._maybe_exit_in_save("engine_file")
             return out
 
-        engine.save, engine._fault_wrapped = save_then_maybe_exit, True
+        engine.save, engine._mbn_guarded = guarded_save, True
 
     def maybe_resume(self) -> None:
         """Resume from the newest complete checkpoint (``latest``, or a complete one newer than
@@ -610,16 +844,19 @@ class Trainer:
         tag_dir = self.save_dir / tag
         ckpt.verify_checkpoint(tag_dir)
         saved = json.loads((tag_dir / "train_config.json").read_text(encoding="utf-8"))
-        for key in ARCH_KEYS:
-            old, new = saved["config"]["model"][key], getattr(self.cfg.model, key)
-            if old != new:
-                raise ConfigError(
-                    f"config key model.{key}: {new!r} differs from the checkpoint's {old!r} "
-                    f"({tag_dir}); use a new train.save_dir"
-                )
+        self.resumed_from = tag
+        self.config_changes = self._check_resume_config(tag_dir, saved)
         if saved["parts"] != self.parts or saved.get("repartitioned"):
             self._resume_other_layout(tag_dir, saved)
             return
+        old_precision = saved.get("precision")
+        if old_precision is not None and old_precision != precision_of(self.ds_config):
+            raise ConfigError(
+                f"config key train.deepspeed_config: {self.cfg.train.deepspeed_config} trains in "
+                f"{precision_of(self.ds_config)}, the checkpoint {tag_dir} in {old_precision}: "
+                "DeepSpeed's optimizer state differs between them; use a DeepSpeed JSON with the "
+                "checkpoint's precision and ZeRO stage"
+            )
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
@@ -636,7 +873,56 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.step}"
             )
+        self._apply_optimizer_config()
         self.log(f"resumed from {tag_dir} at step {self.step}")
+
+    def _check_resume_config(self, tag_dir: Path, saved: dict) -> dict:
+        """The checks a resume makes against the checkpoint: first the vocabulary (the data's
+        SentencePiece model must be the one the checkpoint was trained with: its sha256 in
+        ``train_config.json``), then the config, key by key (module resume_policy: a fixed
+        key that differs is an error). Returns the allowed changes."""
+        if "vocab" not in saved:
+            self.log(
+                f"warning: {tag_dir} predates vocabulary checks: the SentencePiece model of "
+                f"{self.cfg.data.dataset} cannot be checked against it"
+            )
+        else:
+            old = (saved["vocab"] or {}).get("spm_sha256")
+            new = (self.vocab or {}).get("spm_sha256")
+            if old != new:
+                mine = self.vocab["path"] if self.vocab else "synthetic data (no vocabulary)"
+                theirs = f"{tag_dir / SPM_IN_CHECKPOINT}" if old else "synthetic data"
+                raise ConfigError(
+                    f"config key data.dataset: {mine} is not the vocabulary the checkpoint was "
+                    f"trained with ({theirs}; sha256 {str(old)[:12]} vs {str(new)[:12]}); "
+                    "resume with the checkpoint's data or use a new train.save_dir"
+                )
+        same_data = (
+            self.data_manifest_sha256 is not None
+            and saved.get("data_manifest_sha256") == self.data_manifest_sha256
+        )
+        try:
+            return resume_policy.check_resume(
+                saved["config"], self.cfg.to_dict(), str(tag_dir), same_data
+            )
+        except resume_policy.ResumeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _apply_optimizer_config(self) -> None:
+        """This run's learning rate and Adam settings over the restored optimizer and
+        scheduler state (which carry the values of the run that saved them): the keys that
+        resume_policy lets change take effect."""
+        t = self.cfg.train
+        factor = inverse_sqrt_factor(self.cfg)
+        self.scheduler.base_lrs = [t.lr for _ in self.scheduler.base_lrs]
+        self.scheduler.lr_lambdas = [factor for _ in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = t.lr
+            group["lr"] = t.lr * factor(self.step)
+            group["betas"] = (t.adam_beta1, t.adam_beta2)
+            group["eps"] = t.adam_eps
+            group["weight_decay"] = t.weight_decay
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def _resume_other_layout(self, tag_dir: Path, saved: dict) -> None:
         """Resume a checkpoint written with another stage layout: weights layer by layer
@@ -666,9 +952,7 @@ class Trainer:
         self.train_batches.load_state_dict(saved["sampler"])
         self.train_iter = iter(self.train_batches)
         self.scheduler.last_epoch = self.step
-        factor = inverse_sqrt_factor(self.cfg)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * factor(self.step)
+        self._apply_optimizer_config()
         self.log(
             f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
             f"{self.parts}: weights loaded layer by layer at step {self.step}; optimizer state "
@@ -678,20 +962,45 @@ class Trainer:
     # ---- main loop ---------------------------------------------------------------------------
 
     def _agree_to_stop(self, time_up: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([float(stop_signals.received() != 0), float(time_up)])
+        """(a stop signal reached some rank, the time budget is spent), agreed by all ranks;
+        a rank's own error (:attr:`local_error`) makes every rank raise it."""
+        flags = torch.tensor(
+            [
+                float(stop_signals.received() != 0),
+                float(time_up),
+                float(self.local_error is not None),
+            ]
+        )
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[2]:
+            self.agree_or_raise(self.local_error)
         return bool(flags[0]), bool(flags[1])
 
     def train(self) -> int:
-        """Run to train.max_steps (or the time budget, or a signal); returns the exit code."""
+        """Run to train.max_steps (or the time budget, or a signal); returns the exit code.
+        The save_dir's lock is released however it ends."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> int:
         cfg = self.cfg
-        if self.rank == 0:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
         self.maybe_resume()
+        error = None
         if self.rank == 0:
-            dump_config(cfg, self.save_dir / "config.yaml")
+            for key, (old, new) in self.config_changes.items():
+                self.log(f"config key {key} changed on resume: {old!r} -> {new!r}")
+            error = None
+            try:
+                dump_config(cfg, self.save_dir / "config.yaml")
+                resume_policy.append_history(
+                    self.save_dir, self.step, self.resumed_from, self.config_changes
+                )
+            except OSError as exc:
+                error = f"cannot write the run's config: {describe_os_error(exc)}"
+        self.agree_or_raise(error)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.log(
             f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
@@ -790,8 +1099,6 @@ class Trainer:
         else:
             if not (self.save_dir / ckpt.tag_for(self.step) / ckpt.MANIFEST).is_file():
                 self.save()
-        if self.tb:
-            self.tb.close()
         dist.barrier()
         return exit_code
 
@@ -838,7 +1145,6 @@ class Trainer:
 
 def run(cfg: ExperimentConfig) -> int:
     """Train with ``cfg``; returns the process exit code."""
-    trainer = Trainer(cfg)
-    code = trainer.train()
+    code = Trainer(cfg).train()
     sys.stdout.flush()
     return code

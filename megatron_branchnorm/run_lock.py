@@ -1,0 +1,184 @@
+"""One run per ``save_dir``: ``SAVE_DIR/run.lock``, held by rank 0 of the run that trains there.
+
+Two runs in one save_dir would interleave ``metrics.jsonl`` and alternate checkpoints that each
+pass their checksums, so a resume or ``--average-last`` would silently mix them. The lock is a
+file created with ``O_CREAT | O_EXCL`` (atomic on local file systems and on NFSv3+/Lustre/GPFS)
+holding who owns it: host, pid, the pid's start time, the SLURM job id, and a heartbeat (the
+file's mtime, touched every :data:`HEARTBEAT_S` seconds by a daemon thread). A lock left by a
+crashed run must not block the save_dir forever; a lock is taken over, with a warning, when
+
+- it is this SLURM job's own (same ``SLURM_JOB_ID``: a requeued job, whose earlier incarnation
+  SLURM has ended before starting this one), or
+- its host is this host and its pid is gone, or now belongs to another process (start time
+  differs: pid reuse), or is this process (a trainer built earlier in it), or
+- its host is another host (we cannot see its processes) and its heartbeat is older than
+  :data:`STALE_S` (a live holder touches it every :data:`HEARTBEAT_S`; on a shared file
+  system mtimes come from the file server, so clock skew between nodes does not matter much
+  as long as the server's clock and this node's are within minutes).
+
+Otherwise the new run refuses to start, naming the holder. A clean exit (any exit code the
+trainer returns) removes the lock; a ``kill -9`` leaves it, to be taken over as above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+LOCK_NAME = "run.lock"
+HEARTBEAT_S = 60.0
+"""How often the holder touches the lock."""
+STALE_S = 15 * 60.0
+"""A lock from another host untouched for this long belongs to a dead run."""
+
+
+class LockError(RuntimeError):
+    """Another live run holds the save_dir: the message names it."""
+
+
+def _pid_start_time(pid: int) -> str | None:
+    """The start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or
+    None when no such process exists (or /proc is not there)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive_here(pid: int, start: str | None) -> bool:
+    """Whether the process ``pid`` started at ``start`` still runs on this host."""
+    now = _pid_start_time(pid)
+    if now is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return start is None  # no /proc: trust the pid alone
+    return start is None or now == start
+
+
+def owner_record() -> dict:
+    """Who we are, as written into the lock."""
+    pid = os.getpid()
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_start": _pid_start_time(pid),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "token": uuid.uuid4().hex,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def describe(holder: dict) -> str:
+    """One line about a lock's holder."""
+    job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}, started {holder.get('started')}"
+
+
+def stale_reason(holder: dict, age_s: float, me: dict) -> str | None:
+    """Why a lock held by ``holder`` (last touched ``age_s`` ago) belongs to a dead run, or
+    None when its run may be alive."""
+    job = holder.get("slurm_job_id")
+    if job and job == me.get("slurm_job_id"):
+        return f"it is this SLURM job's own (job {job} was requeued)"
+    if holder.get("host") == me["host"]:
+        pid = holder.get("pid")
+        if pid == me["pid"] and holder.get("pid_start") == me.get("pid_start"):
+            return "it is this process's own (an earlier trainer that did not release it)"
+        if not isinstance(pid, int) or not _alive_here(pid, holder.get("pid_start")):
+            return f"its process {pid} no longer runs on {me['host']}"
+        return None
+    if age_s > STALE_S:
+        return f"its heartbeat is {age_s / 60:.0f} min old (> {STALE_S / 60:.0f} min)"
+    return None
+
+
+class RunLock:
+    """Acquire with :meth:`acquire`; :meth:`release` (or a clean exit) removes it."""
+
+    def __init__(self, save_dir: str | Path) -> None:
+        self.path = Path(save_dir) / LOCK_NAME
+        self.me = owner_record()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.warnings: list[str] = []
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(self.me, fh)
+            fh.write("\n")
+        return True
+
+    def _read(self) -> tuple[dict, float] | None:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = None
+        if not isinstance(holder, dict):
+            holder = {"host": "?", "pid": None, "started": "? (unreadable lock)"}
+        return holder, age
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`LockError` naming the live holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            if self._create():
+                if self.owned():
+                    self._start_heartbeat()
+                    return
+                continue  # removed or replaced under us by a concurrent take-over: look again
+            found = self._read()
+            if found is None:
+                continue
+            holder, age = found
+            reason = stale_reason(holder, age, self.me)
+            if reason is None:
+                raise LockError(
+                    f"{self.path}: another run trains in this train.save_dir ({describe(holder)}, "
+                    f"heartbeat {age:.0f} s ago); use another train.save_dir, or stop that run "
+                    f"(a lock from another host counts as stale after {STALE_S / 60:.0f} min)"
+                )
+            self.warnings.append(f"taking over {self.path} from {describe(holder)}: {reason}")
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        raise LockError(f"{self.path}: could not take the lock (another run is starting here)")
+
+    def owned(self) -> bool:
+        """Whether the lock file is (still) ours."""
+        found = self._read()
+        return found is not None and found[0].get("token") == self.me["token"]
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+        self._thread = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours."""
+        self._stop.set()
+        if self.owned():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
