@@ -669,10 +669,14 @@ class Trainer:
                 self.log(f"tensorboard disabled: {exc}")
                 self.tb = False
         if self.tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, record["step"])
-            self.tb.flush()
+            try:
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and key != "step":
+                        self.tb.add_scalar(key, value, record["step"])
+                self.tb.flush()
+            except Exception as exc:  # noqa: BLE001 - TensorBoard must not stop training
+                self.log(f"tensorboard disabled: {one_line(str(exc), 300)}")
+                self.tb = False
 
     # ---- data for one update -----------------------------------------------------------------
 
@@ -777,8 +781,10 @@ class Trainer:
         if self.save_error is None:
             try:
                 torch.save(ckpt.rng_state(), ckpt.rng_file(tag_dir, self.rank))
-            except OSError as exc:
-                self.save_error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+            except (OSError, RuntimeError) as exc:
+                self.save_error = self._describe_save_failure(
+                    exc, ckpt.rng_file(tag_dir, self.rank)
+                )
         self._maybe_exit_in_save("after_rng")
         self.agree_or_raise(self.save_error)
         error = None
@@ -798,6 +804,21 @@ class Trainer:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         self.agree_or_raise(error)
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
+
+    def _describe_save_failure(self, exc: BaseException, path) -> str:
+        """One line for a failed checkpoint file: torch.save reports a full disk as a
+        RuntimeError from its zip writer ("unexpected pos ..."), so the free space is said."""
+        tag_dir = self.save_dir / ckpt.tag_for(self.step)
+        if isinstance(exc, OSError):
+            return f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+        try:
+            free = shutil.disk_usage(self.save_dir).free
+        except OSError:
+            free = None
+        why = one_line(str(exc), 200)
+        if free is not None and free < 1 << 20:
+            why = f"no space left on device ({free:,} bytes free; torch: {why})"
+        return f"checkpoint {tag_dir} not saved: {path}: write failed: {why}"
 
     def _maybe_fail_in_save(self, phase: str) -> None:
         """Test-only (``enospc@PHASE[:rankR]`` in FAULT_ENV): a full disk in this phase."""
@@ -824,9 +845,9 @@ class Trainer:
             try:
                 self._maybe_fail_in_save("engine")
                 out = save(*args, **kwargs)
-            except OSError as exc:
-                tag_dir = self.save_dir / ckpt.tag_for(self.step)
-                self.save_error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+            except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a full disk
+                path = kwargs.get("path", args[1] if len(args) > 1 else None)
+                self.save_error = self._describe_save_failure(exc, path)
                 return None
             self._maybe_exit_in_save("engine_file")
             return out

@@ -431,3 +431,25 @@ def test_ctrl_c_leaves_no_traceback_and_nothing_complete_half_written(tmp_path):
         ckpt.verify_checkpoint(save_dir / tag)
     assert ckpt.read_latest(save_dir) in complete
     assert not (save_dir / LOCK_NAME).exists()
+
+
+def test_a_real_full_disk_ends_every_rank_with_one_line(tmp_path):
+    """The same on a 160 KiB tmpfs: torch.save reports ENOSPC as a RuntimeError from its zip
+    writer, which the emulation above cannot show. Needs mount(2) (root in the test VM)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        save_dir = disk / "run"
+        results = train(save_dir, ["train.max_steps=3", "train.save_interval=1"], world=2)
+        lines = [error_line(r) for r in results]
+        assert lines[0] == lines[1]
+        assert "global_step1 not saved" in lines[0] and "no space left on device" in lines[0]
+        assert ckpt.read_latest(save_dir) is None
+        assert not (save_dir / "global_step1" / ckpt.MANIFEST).exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
