@@ -453,3 +453,11 @@ def test_a_real_full_disk_ends_every_rank_with_one_line(tmp_path):
         assert not (save_dir / "global_step1" / ckpt.MANIFEST).exists()
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_bad_thread_count_in_the_environment(tmp_path):
+    env = {**rank_env(0, 1, free_port()), "OMP_NUM_THREADS": "abc"}
+    args = [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={tmp_path / 'r'}"]
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = error_line((done.returncode, done.stdout, done.stderr))
+    assert "environment variable OMP_NUM_THREADS: expected a count >= 1, got 'abc'" in line
