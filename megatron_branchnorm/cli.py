@@ -14,12 +14,16 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
+import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_BAD_INPUT = 2
 """Exit code of every entry point for bad input (a one-line error)."""
@@ -28,6 +32,8 @@ EXIT_INTERRUPTED = 130
 MARKER = ".megatron_branchnorm-output.json"
 """Marker file in every directory an entry point creates: {"tool": ..., "kind": ...}."""
 QUOTE_LIMIT = 120
+MAX_INT = 2**31 - 1
+"""Largest integer a config key or a count flag takes."""
 
 
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -163,4 +169,132 @@ def is_same_file(a: str | Path, b: str | Path) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Command lines and output files
+# --------------------------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """A bad command line (unknown flag, a number out of range): a one-line message."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`UsageError` (one line and exit 2 through
+    :func:`megatron_branchnorm.cli.run_main`) instead of printing the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def int_flag(low: int, high: int = MAX_INT) -> Callable[[str], int]:
+    """argparse ``type=``: an integer in [low, high]; argparse names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in [{low}, {high}], got {quote(text)}"
+            )
+        return value
+
+    return parse
+
+
+def float_flag(low: float = -math.inf, high: float = math.inf) -> Callable[[str], float]:
+    """argparse ``type=``: a finite number in [low, high]; argparse names the flag."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {quote(text)}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {quote(text)}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {quote(text)}")
+        return value
+
+    return parse
+
+
+def check_output_file(
+    path: str | Path, flag: str, inputs: Iterable[tuple[str, str | Path | None]]
+) -> None:
+    """Refuse, before any work, an output file that would destroy an input (the same path or
+    file, inside an input directory, or containing one), is a directory, or lies under a
+    regular file. Missing parent directories are created when the output is written."""
+    inputs = list(inputs)
+    refuse_overlap(path, inputs, flag)
+    for in_flag, inp in inputs:
+        if inp is not None and is_same_file(path, inp):
+            raise OutputError(f"{flag} {path}: is the same file as {in_flag} {inp}")
+    out = Path(path)
+    if out.is_dir():
+        raise OutputError(f"{flag} {path}: is a directory (a file is expected)")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"{flag} {path}: {parent} is not a directory")
+
+
+def write_text_output(path: str | Path, text: str) -> None:
+    """Write ``text`` to the file ``path`` through a temporary file renamed when complete, so
+    an error or Ctrl-C never leaves a truncated output. An existing non-regular file
+    (/dev/null, /dev/full, a FIFO) is written in place, never replaced. An OSError names
+    ``path`` (not the temporary file)."""
+    out = Path(path)
+    data = text.encode("utf-8")
+    if out.exists() and not out.is_file():
+        try:
+            with open(out, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(out)) from None
+        return
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(out)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_stdout(text: str) -> None:
+    """Write ``text`` to stdout and flush; a failure (a full disk, a closed pipe) raises an
+    OSError naming <stdout>, and stdout is pointed at /dev/null so that Python's own flush at
+    exit does not print a second error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        raise OSError(exc.errno, exc.strerror, "<stdout>") from None
+
+
+def stdin_is(path: str | Path) -> bool:
+    """Whether stdin is redirected from the regular file ``path`` (``tool --output f < f``)."""
+    try:
+        st = os.fstat(sys.stdin.fileno())
+        return stat.S_ISREG(st.st_mode) and os.path.samestat(st, os.stat(path))
+    except (OSError, ValueError, AttributeError):
         return False

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from megatron_branchnorm.cli import quote
+from megatron_branchnorm.cli import MAX_INT, quote
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -178,9 +178,6 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-MAX_INT = 2**31 - 1
-"""Largest integer a config key takes: layer counts, sizes, steps and seeds all fit; a larger
-one is a typo that would otherwise surface as an allocation or overflow traceback."""
 _YAML11_MISSED_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 

@@ -32,11 +32,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_branchnorm.cli import MAX_INT
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
 from megatron_branchnorm.partition import partition_plan, spec_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
+
+
+class PlanError(ValueError):
+    """A bad planner input (a flag out of range, an unreadable size): a one-line message."""
+
+
 DEFAULT_VOCAB = 64000
 TIED_KINDS = ("embed", "dec_embed", "output")
 
@@ -128,17 +135,35 @@ def precision_from_ds_config(path: str) -> Precision:
     bf16 (DeepSpeed's BF16_Optimizer, grad_accum_dtype fp32): bf16 weights, bf16 grads plus the
     fp32 accumulation buffer, fp32 master + m + v. fp16 (ZeRO-1 optimizer): fp16 weights and
     grads, fp32 master + m + v + the fp32 gradient partition. fp32: weights, grads, m, v.
+    A missing, unreadable or malformed file raises ConfigError naming the key and the file.
     """
+    key = "config key train.deepspeed_config"
     p = Path(path)
-    if not p.is_file() and not p.is_absolute():
+    if not p.exists() and not p.is_absolute():
         p = ROOT / path
     if not p.is_file():
-        raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
-    ds = json.loads(p.read_text(encoding="utf-8"))
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    if ds.get("bf16", {}).get("enabled"):
+        what = "not a file" if p.exists() else "no such file"
+        raise ConfigError(f"{key}: {path}: {what}")
+    try:
+        ds = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{key}: {p}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{key}: {p}: not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{key}: {p}: expected a JSON object, got {type(ds).__name__}")
+    sections = {}
+    for name in ("zero_optimization", "bf16", "fp16"):
+        section = ds.get(name, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{key}: {p}: {name} must be an object, got {section!r:.60}")
+        sections[name] = section
+    stage = sections["zero_optimization"].get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ConfigError(f"{key}: {p}: zero_optimization.stage must be 0..3, got {stage!r:.60}")
+    if sections["bf16"].get("enabled"):
         return Precision("bf16", 2, 2 + 4, 12, 2, stage)
-    if ds.get("fp16", {}).get("enabled"):
+    if sections["fp16"].get("enabled"):
         return Precision("fp16", 2, 2, 16, 2, stage)
     return Precision("fp32", 4, 4, 8, 4, stage)
 
@@ -247,13 +272,31 @@ class RunPlan:
         return self.flops_per_update / (self.gpus * self.tflops * 1e12) / (1.0 - self.bubble)
 
 
-def parse_memory(text: str) -> float:
-    """'80GB', '40G', '79.6GiB' or a plain number of GB -> bytes."""
-    t = text.strip().upper()
-    for suffix, unit in (("GIB", 2**30), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 1e6)):
+def parse_memory(text: str, flag: str = "--gpu-memory", allow_zero: bool = False) -> float:
+    """'80GB', '40G', '79.6GiB' or a plain number of GB -> bytes; anything else, a
+    non-finite, negative (or, unless ``allow_zero``, zero) size raises PlanError naming
+    ``flag``."""
+    t = str(text).strip().upper()
+    number, unit = t, GB
+    for suffix, size in (("GIB", 2**30), ("GB", GB), ("G", GB), ("MIB", 2**20), ("MB", 1e6)):
         if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * unit
-    return float(t) * GB
+            number, unit = t[: -len(suffix)], size
+            break
+    try:
+        value = float(number) * unit
+    except ValueError:
+        raise PlanError(
+            f"{flag} {text!r:.60}: expected a size such as 80GB, 40G, 79.6GiB or 512MB"
+        ) from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise PlanError(f"{flag} {text!r:.60}: must be a finite size {bound}")
+    return value
+
+
+def _check_count(value: int | None, flag: str) -> None:
+    if value is not None and (isinstance(value, bool) or not 1 <= value <= MAX_INT):
+        raise PlanError(f"{flag} must be an integer in [1, {MAX_INT}], got {value!r}")
 
 
 def _activation_bytes(
@@ -288,19 +331,30 @@ def plan_run(
     config_name: str = "",
 ) -> RunPlan:
     """Plan ``cfg`` on ``gpus`` GPUs of ``gpu_memory`` bytes (see the module docstring)."""
+    for value, flag in (
+        (gpus, "--gpus"),
+        (stages, "--stages"),
+        (micro_batch_tokens, "--micro-batch-tokens"),
+        (micro_batches, "--micro-batches"),
+        (vocab_size, "--vocab-size"),
+    ):
+        _check_count(value, flag)
+    for value, flag, low in ((gpu_memory, "--gpu-memory", 0.0), (tflops, "--tflops", 0.0)):
+        if not (math.isfinite(value) and value > low):
+            raise PlanError(f"{flag} must be a finite number > {low:g}, got {value!r}")
+    if not (math.isfinite(overhead) and overhead >= 0):
+        raise PlanError(f"--overhead must be a finite size >= 0, got {overhead!r}")
     vocab = cfg.model.vocab_size or vocab_size or DEFAULT_VOCAB
     m = dataclasses.replace(cfg.model, vocab_size=vocab)
-    p = stages or cfg.pipeline.stages
-    if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    p = stages if stages is not None else cfg.pipeline.stages
     if gpus % p:
         raise ConfigError(
             f"config key pipeline.stages: {p} stages do not divide {gpus} GPUs "
             f"(try --stages with a divisor of {gpus}, or --stages auto)"
         )
     dp = gpus // p
-    tokens = micro_batch_tokens or cfg.data.max_tokens
-    mb = micro_batches or cfg.train.micro_batches
+    tokens = micro_batch_tokens if micro_batch_tokens is not None else cfg.data.max_tokens
+    mb = micro_batches if micro_batches is not None else cfg.train.micro_batches
     prec = precision_from_ds_config(cfg.train.deepspeed_config)
     interval = cfg.pipeline.activation_checkpoint_interval
     parts = partition_plan(m, p, cfg.pipeline.partition)
@@ -357,9 +411,11 @@ def plan_run(
 def auto_stages(cfg: ExperimentConfig, gpus: int, gpu_memory: float, **kwargs) -> RunPlan:
     """The plan with the fewest stages (smallest bubble) among divisors of ``gpus`` that fits;
     the largest stage count if none does."""
+    _check_count(gpus, "--gpus")
     last = None
     layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 1
-    for p in [k for k in range(1, gpus + 1) if gpus % k == 0 and k <= layers]:
+    # Only stage counts up to the layer count can be tried: never loop up to --gpus.
+    for p in [k for k in range(1, min(gpus, layers) + 1) if gpus % k == 0]:
         last = plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs)
         if last.fits():
             return last

@@ -14,116 +14,115 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_branchnorm.inference.evaluate import (  # noqa: E402
-    EvaluationError,
-    evaluate,
-    format_table,
-    pivot_language,
-    references_from_manifest,
-    select_directions,
-)
-from megatron_branchnorm.inference.export import ExportError  # noqa: E402
-from megatron_branchnorm.inference.translate import (  # noqa: E402
-    SearchOptions,
-    TranslateError,
-    Translator,
+from megatron_branchnorm.cli import (  # noqa: E402
+    ArgumentParser,
+    OutputError,
+    UsageError,
+    int_flag,
+    quote,
+    run_main,
+    write_stdout,
+    write_text_output,
 )
 
 PROG = "evaluate.py"
+SPLITS = ("dev", "test")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    from megatron_branchnorm.inference.translate import add_search_args
+
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="export directory")
     p.add_argument("--data", required=True, help="preprocessed DATA_DIR (manifest.json)")
-    p.add_argument("--split", default="test", help="dev or test (default test)")
+    p.add_argument("--split", default="test", choices=SPLITS, help="dev or test (default test)")
     p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
     p.add_argument(
-        "--max-sentences", type=int, default=None, help="first N sentences per direction"
+        "--max-sentences", type=int_flag(1), default=None, help="first N sentences per direction"
     )
-    d = SearchOptions()
-    p.add_argument("--beam", type=int, default=d.beam, help=f"beam size (default {d.beam})")
-    p.add_argument(
-        "--lenpen", type=float, default=d.lenpen, help=f"length penalty (default {d.lenpen})"
-    )
-    p.add_argument(
-        "--max-len-a", type=float, default=d.max_len_a, help="output length limit a*src+b"
-    )
-    p.add_argument("--max-len-b", type=int, default=d.max_len_b, help="see --max-len-a")
-    p.add_argument(
-        "--batch-tokens", type=int, default=d.batch_tokens, help="source tokens per batch"
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    add_search_args(p, nbest=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _evaluate(argv: list[str] | None) -> int:
+    import torch
+
+    from megatron_branchnorm.inference.evaluate import (
+        EvaluationError,
+        check_outputs,
+        evaluate,
+        format_table,
+        pivot_language,
+        references_from_manifest,
+        select_directions,
+    )
+    from megatron_branchnorm.inference.translate import SearchOptions, Translator
+
     args = parse_args(argv)
-    try:
-        import torch
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    opts = SearchOptions(
+        args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
+    )
+    opts.check()
+    wanted = None
+    if args.directions is not None:
+        wanted = list(dict.fromkeys(x.strip() for x in args.directions.split(",") if x.strip()))
+        if not wanted:
+            raise EvaluationError(f"--directions {quote(args.directions)}: names no direction")
+    directions = select_directions(references_from_manifest(args.data, args.split), wanted)
+    # Before any work: no output may overwrite the data, its references or the export.
+    check_outputs(args.json, args.hyp_dir, directions, args.data, args.model)
+    translator = Translator.from_export(args.model)
+    for d in directions:
+        translator.check_languages(d.src_lang, d.tgt_lang)
 
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
-        if args.max_sentences is not None and args.max_sentences < 1:
-            raise EvaluationError(f"--max-sentences must be >= 1, got {args.max_sentences}")
-        opts = SearchOptions(
-            args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
-        )
-        opts.check()
-        wanted = (
-            [x.strip() for x in args.directions.split(",") if x.strip()]
-            if args.directions
-            else None
-        )
-        directions = select_directions(references_from_manifest(args.data, args.split), wanted)
-        translator = Translator.from_export(args.model)
-        for d in directions:
-            translator.check_languages(d.src_lang, d.tgt_lang)
+    def progress(name: str, total: int):
+        if args.quiet:
+            return None
+        from tqdm import tqdm
 
-        def progress(name: str, total: int):
-            if args.quiet:
-                return None
-            from tqdm import tqdm
+        bar = tqdm(total=total, unit="sent", desc=name, file=sys.stderr, leave=False)
+        return bar.update
 
-            bar = tqdm(total=total, unit="sent", desc=name, file=sys.stderr, leave=False)
-            return bar.update
-
-        report = evaluate(
-            translator,
-            directions,
-            opts,
-            args.lowercase,
-            args.hyp_dir,
-            args.max_sentences,
-            pivot_language(args.data),
-            progress,
-        )
-        if args.json:
-            out = Path(args.json)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-            tmp.write_text(
-                json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-            )
-            os.replace(tmp, out)
-        print(format_table(report))
-    except (EvaluationError, ExportError, TranslateError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    report = evaluate(
+        translator,
+        directions,
+        opts,
+        args.lowercase,
+        args.hyp_dir,
+        args.max_sentences,
+        pivot_language(args.data),
+        progress,
+    )
+    if args.json:
+        write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_stdout(format_table(report) + "\n")
     return 0
+
+
+def _with_errors(argv: list[str] | None) -> int:
+    from megatron_branchnorm.inference.evaluate import EvaluationError
+    from megatron_branchnorm.inference.export import ExportError
+    from megatron_branchnorm.inference.translate import TranslateError
+
+    errors = (EvaluationError, ExportError, TranslateError, UsageError, OutputError)
+    return run_main(_evaluate, argv, errors=errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a flag, the data, the export, an output over an input) is one line
+    ``error: ...`` and exit 2; Ctrl-C exits 130; outputs appear only when complete."""
+    return run_main(_with_errors, argv)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from megatron_branchnorm.cli import (
+    OutputError,
+    check_output_file,
+    refuse_overlap,
+    write_text_output,
+)
 from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
 
 MANIFEST = "manifest.json"
@@ -177,6 +183,41 @@ def _read(path: Path) -> list[str]:
         raise EvaluationError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
+def hypothesis_path(hyp_dir: str | Path, d: DirectionData) -> Path:
+    """Where ``--hyp-dir`` receives direction ``d``'s hypotheses."""
+    return Path(hyp_dir) / f"{d.name}.txt"
+
+
+def check_outputs(
+    json_path: str | Path | None,
+    hyp_dir: str | Path | None,
+    directions: Sequence[DirectionData],
+    data_dir: str | Path,
+    model_dir: str | Path,
+) -> None:
+    """Refuse, before anything is translated, a --json or --hyp-dir that is, contains or lies
+    inside --data, --model or a reference file, a --json that is a directory or one of the
+    hypothesis files, and a --hyp-dir that is a file or lies under one."""
+    inputs: list[tuple[str, str | Path | None]] = [("--data", data_dir), ("--model", model_dir)]
+    for d in directions:
+        inputs.append((f"--data ({d.name} source)", d.src_path))
+        inputs.append((f"--data ({d.name} reference)", d.ref_path))
+    hyp_files: list[tuple[str, str | Path | None]] = []
+    if hyp_dir is not None:
+        hyp = Path(hyp_dir)
+        if hyp.exists() and not hyp.is_dir():
+            raise OutputError(f"--hyp-dir {hyp_dir}: exists and is not a directory")
+        parent = hyp.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise OutputError(f"--hyp-dir {hyp_dir}: {parent} is not a directory")
+        refuse_overlap(hyp_dir, inputs, "--hyp-dir")
+        hyp_files = [(f"--hyp-dir ({d.name})", hypothesis_path(hyp_dir, d)) for d in directions]
+    if json_path is not None:
+        check_output_file(json_path, "--json", inputs + hyp_files)
+
+
 def select_directions(
     available: dict[str, DirectionData], wanted: Sequence[str] | None
 ) -> list[DirectionData]:
@@ -211,6 +252,8 @@ def evaluate(
         Path(hyp_dir).mkdir(parents=True, exist_ok=True)
     for d in directions:
         sources, refs = _read(d.src_path), _read(d.ref_path)
+        if not sources:
+            raise EvaluationError(f"{d.src_path}: empty (no sentence to score for {d.name})")
         if len(sources) != len(refs):
             raise EvaluationError(
                 f"{d.src_path} has {len(sources)} lines but {d.ref_path} has {len(refs)}"
@@ -220,8 +263,7 @@ def evaluate(
         callback = progress(d.name, len(sources)) if progress is not None else None
         hyps = translator.translate(sources, d.src_lang, d.tgt_lang, opts, callback)
         if hyp_dir is not None:
-            text = "".join(h + "\n" for h in hyps)
-            (Path(hyp_dir) / f"{d.name}.txt").write_text(text, encoding="utf-8")
+            write_text_output(hypothesis_path(hyp_dir, d), "".join(h + "\n" for h in hyps))
         results[d.name] = score_direction(hyps, refs, d.tgt_lang, lowercase)
     return {"directions": results, "averages": averages(results, pivot)}
 

@@ -11,6 +11,8 @@ lines translate to empty lines without running the model, so output lines match 
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_branchnorm.cli import float_flag, int_flag
 from megatron_branchnorm.data.text import clean
 from megatron_branchnorm.inference.beam_search import Hypothesis, beam_search
 from megatron_branchnorm.inference.export import ExportError, load_export
@@ -31,6 +34,55 @@ TAG_PATTERN = re.compile(r"^<2[^<>\s]+>$")
 
 class TranslateError(ValueError):
     """Bad input to translation (unknown language, missing tokenizer): a one-line message."""
+
+
+MAX_BEAM = 1024
+"""Largest --beam/--nbest: the search keeps beam x sentences decoder rows."""
+MAX_LEN_A = 1e6
+"""Largest --max-len-a (the limit is clamped to the model's positions anyway)."""
+MAX_THREADS = 4096
+
+
+def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
+    """--beam, --lenpen, --max-len-a/-b, --batch-tokens (and --nbest), range-checked."""
+    d = SearchOptions()
+    p.add_argument(
+        "--beam", type=int_flag(1, MAX_BEAM), default=d.beam, help=f"beam size (default {d.beam})"
+    )
+    p.add_argument(
+        "--lenpen", type=float_flag(), default=d.lenpen, help=f"length penalty (default {d.lenpen})"
+    )
+    p.add_argument(
+        "--max-len-a",
+        type=float_flag(0.0, MAX_LEN_A),
+        default=d.max_len_a,
+        help=f"output length limit a * source length + b (default a={d.max_len_a})",
+    )
+    p.add_argument(
+        "--max-len-b",
+        type=int_flag(0),
+        default=d.max_len_b,
+        help=f"see --max-len-a (default b={d.max_len_b})",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int_flag(1),
+        default=d.batch_tokens,
+        help=f"source tokens per batch, padding included (default {d.batch_tokens})",
+    )
+    if nbest:
+        p.add_argument(
+            "--nbest",
+            type=int_flag(1, MAX_BEAM),
+            default=d.nbest,
+            help="hypotheses per input line (default 1)",
+        )
+    p.add_argument(
+        "--threads",
+        type=int_flag(0, MAX_THREADS),
+        default=0,
+        help="torch CPU threads (default 0: torch's)",
+    )
 
 
 @dataclass
@@ -53,14 +105,18 @@ class SearchOptions:
 
     def check(self) -> None:
         """Raise TranslateError on an out-of-range setting, naming its option."""
-        if self.beam < 1:
-            raise TranslateError(f"--beam must be >= 1, got {self.beam}")
+        if not 1 <= self.beam <= MAX_BEAM:
+            raise TranslateError(f"--beam must be in [1, {MAX_BEAM}], got {self.beam}")
         if not 1 <= self.nbest <= self.beam:
             raise TranslateError(
                 f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}"
             )
-        if self.max_len_a < 0 or self.max_len_b < 0:
-            raise TranslateError("--max-len-a and --max-len-b must be >= 0")
+        if not math.isfinite(self.lenpen):
+            raise TranslateError(f"--lenpen must be a finite number, got {self.lenpen}")
+        if not (math.isfinite(self.max_len_a) and 0 <= self.max_len_a <= MAX_LEN_A):
+            raise TranslateError(f"--max-len-a must be in [0, {MAX_LEN_A:g}], got {self.max_len_a}")
+        if self.max_len_b < 0:
+            raise TranslateError(f"--max-len-b must be >= 0, got {self.max_len_b}")
         if self.batch_tokens < 1:
             raise TranslateError(f"--batch-tokens must be >= 1, got {self.batch_tokens}")
 

@@ -179,6 +179,6 @@ def test_evaluate_cli_errors(tmp_path, text_export, capsys):
     for extra, needle in cases:
         code = main(["--model", str(text_export), "--data", str(data), "--quiet", *extra])
         err = capsys.readouterr().err
-        assert code == 1 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     code = main(["--model", str(text_export), "--data", str(tmp_path / "none")])
-    assert code == 1 and "manifest.json" in capsys.readouterr().err
+    assert code == 2 and "manifest.json" in capsys.readouterr().err

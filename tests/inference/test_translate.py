@@ -186,4 +186,4 @@ def test_cli_help_and_one_line_errors(tmp_path, text_export, monkeypatch, capsys
         ["--model", str(text_export), "--src-lang", "de", "--tgt-lang", "en"],
         stdin=b"fine\n\xfe\xff\n",
     )
-    assert code == 1 and "<stdin>:2: invalid UTF-8" in err
+    assert code == 2 and "<stdin>:2: invalid UTF-8" in err
