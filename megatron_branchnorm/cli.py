@@ -234,10 +234,15 @@ def check_output_file(
     for in_flag, inp in inputs:
         if inp is not None and is_same_file(path, inp):
             raise OutputError(f"{flag} {path}: is the same file as {in_flag} {inp}")
-    out = Path(path)
-    if out.is_dir():
+    if Path(path).is_dir():
         raise OutputError(f"{flag} {path}: is a directory (a file is expected)")
-    parent = out.parent
+    check_parent_dir(path, flag)
+
+
+def check_parent_dir(path: str | Path, flag: str) -> None:
+    """Refuse an output whose nearest existing ancestor is not a directory (a regular file
+    in the way: the output could never be created)."""
+    parent = Path(path).parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():

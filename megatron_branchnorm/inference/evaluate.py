@@ -33,6 +33,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from megatron_branchnorm.cli import (
     OutputError,
     check_output_file,
+    check_parent_dir,
     refuse_overlap,
     write_text_output,
 )
@@ -207,11 +208,7 @@ def check_outputs(
         hyp = Path(hyp_dir)
         if hyp.exists() and not hyp.is_dir():
             raise OutputError(f"--hyp-dir {hyp_dir}: exists and is not a directory")
-        parent = hyp.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise OutputError(f"--hyp-dir {hyp_dir}: {parent} is not a directory")
+        check_parent_dir(hyp_dir, "--hyp-dir")
         refuse_overlap(hyp_dir, inputs, "--hyp-dir")
         hyp_files = [(f"--hyp-dir ({d.name})", hypothesis_path(hyp_dir, d)) for d in directions]
     if json_path is not None:
