@@ -19,6 +19,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Iterable
@@ -149,19 +150,74 @@ def prepare_output(
     overwrite: bool,
     output_flag: str,
     inputs: Iterable[tuple[str, str | Path | None]] = (),
+    legacy: Callable[[Path], bool] | None = None,
 ) -> bool:
-    """Check an output directory before anything is written: not overlapping an input, and
-    either absent/empty or (with ``overwrite``) written by us as ``kind``. Returns whether
-    an existing directory will be replaced; the caller replaces it only after its new
-    contents are complete (temporary directory + rename)."""
+    """Check an output directory before anything is written: not overlapping an input, not
+    under a regular file, and either absent/empty or (with ``overwrite``) written by us as
+    ``kind`` (its marker; ``legacy`` recognises our older outputs that predate markers).
+    Returns whether an existing directory will be replaced; the caller replaces it only after
+    its new contents are complete (:func:`publish_dir`)."""
+    inputs = list(inputs)
     refuse_overlap(output, inputs, output_flag)
+    check_parent_dir(output, output_flag)
     out = Path(output)
+    if (
+        legacy is not None
+        and overwrite
+        and out.is_dir()
+        and not out.is_symlink()
+        and read_marker(out) is None
+        and legacy(out)
+    ):
+        return True
     if out.exists() and out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(
             f"{output_flag} {output}: exists and is not empty (pass --overwrite to replace an "
             f"earlier {kind})"
         )
     return check_overwritable(out, kind, output_flag)
+
+
+def temp_dir_beside(out: Path) -> Path:
+    """A fresh temporary directory next to ``out`` (same file system, so the final rename is
+    atomic), named after it and this process; an OSError if it cannot be made."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory ``tmp`` to ``out``; an existing ``out``
+    (checked by :func:`prepare_output`) is moved aside first and removed only once the new
+    one is in place."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_failure_reason(exc: BaseException) -> str:
+    """Why writing an output failed, in a few words (a full disk said plainly, whether it came
+    as an OSError or as a library's message)."""
+    if isinstance(exc, OSError):
+        if exc.errno == errno.ENOSPC:
+            return "no space left on device"
+        return exc.strerror or one_line(str(exc), 300)
+    reason = one_line(str(exc), 300)
+    if "No space left" in reason or "os error 28" in reason:
+        return "no space left on device"
+    return reason
 
 
 def is_same_file(a: str | Path, b: str | Path) -> bool:

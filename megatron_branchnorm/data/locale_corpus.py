@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -29,12 +30,17 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_branchnorm.cli import publish_dir, write_marker
 from megatron_branchnorm.data.corpora import LANG_RE, pair_name
 from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.data.preprocess import check_output_dir, write_failure
 from megatron_branchnorm.data.text import clean, is_letterish
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale"
 DEFAULT_LANGS = ("de", "es", "fr", "it", "ja", "ru", "zh_CN")
+CORPUS_KIND = "corpus"
+"""Marker kind of a corpus directory (cli.MARKER): ``overwrite`` replaces only such a one."""
+CORPUS_TOOL = "build_locale_corpus"
 _MO_MAGIC = 0x950412DE
 _MNEMONIC_PAREN = re.compile(r"\s*\((?:_|&)[^\s()]\)")
 _MNEMONIC = re.compile(r"_(?=\w)")
@@ -183,6 +189,17 @@ def assign_splits(family_sizes: dict[str, int], eval_fraction: float) -> dict[st
     return out
 
 
+def _check_options(opts: LocaleCorpusOptions) -> None:
+    """Numbers finite and in range (the command line checks them too)."""
+    if not isinstance(opts.min_pairs, int) or opts.min_pairs < 1:
+        raise DataError(f"--min-pairs must be an integer >= 1, got {opts.min_pairs!r}")
+    if not isinstance(opts.max_chars, int) or opts.max_chars < 1:
+        raise DataError(f"--max-chars must be an integer >= 1, got {opts.max_chars!r}")
+    frac = opts.eval_fraction
+    if not isinstance(frac, (int, float)) or not (math.isfinite(frac) and 0 < frac < 0.5):
+        raise DataError(f"--eval-fraction must be a finite number in (0, 0.5), got {frac!r}")
+
+
 def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
     """Write the corpus under ``opts.output`` and return its summary (also ``locale_corpus.json``)."""
     locale_dir = Path(opts.locale_dir)
@@ -192,9 +209,13 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
     for lang in langs:
         if lang == "en" or not LANG_RE.match(lang):
             raise DataError(f"--langs: {lang!r} is not a non-English language code")
+    _check_options(opts)
     out = Path(opts.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.overwrite:
-        raise DataError(f"--output {out}: exists and is not empty (use --overwrite to replace it)")
+    inputs = [("--locale-dir", locale_dir)]
+    check_output_dir(out, CORPUS_KIND, opts.overwrite, inputs)
+    if not locale_dir.is_dir():
+        what = "does not exist" if not locale_dir.exists() else "is not a directory"
+        raise DataError(f"--locale-dir {locale_dir}: {what}")
 
     per_lang: dict[str, dict[str, list[tuple[str, str]]]] = {}
     raw_counts = {}
@@ -240,9 +261,12 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
             f"{opts.min_pairs} training pairs and non-empty dev and test (--min-pairs)"
         )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        raise write_failure(exc, out) from None
     try:
         base = tmp / "opus-100-corpus" / "v1.0" / "supervised"
         for lang, by_split in corpus.items():
@@ -260,9 +284,12 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
         with open(tmp / "locale_corpus.json", "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, ensure_ascii=False)
             f.write("\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        write_marker(tmp, CORPUS_TOOL, CORPUS_KIND)
+        check_output_dir(out, CORPUS_KIND, opts.overwrite, inputs)  # still ours to replace
+        publish_dir(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(exc, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -14,22 +14,35 @@ Steps (tools/preprocess_data.py is the command line):
 
 Everything is written into a hidden temporary directory beside DATA_DIR that is renamed to
 DATA_DIR at the very end, so an interrupted run never leaves a directory that looks complete.
+DATA_DIR carries the marker :data:`megatron_branchnorm.cli.MARKER` (kind ``data``):
+``overwrite`` replaces only a directory with that marker (or an older DATA_DIR with our
+manifest), never the input corpus or anything else.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from megatron_branchnorm.cli import (
+    OutputError,
+    prepare_output,
+    publish_dir,
+    write_failure_reason,
+    write_marker,
+)
 from megatron_branchnorm.data import spm as spm_lib
 from megatron_branchnorm.data.corpora import SPLITS, PairLines, parse_langs, read_corpus
 from megatron_branchnorm.data.errors import DataError
@@ -42,6 +55,9 @@ MANIFEST_FORMAT = "megatron_branchnorm-data"
 MANIFEST_VERSION = 1
 FILTERS = ("bad_utf8", "empty", "too_long")
 CHUNK_LINES = 2000
+DATA_KIND = "data"
+"""Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory."""
+DATA_TOOL = "preprocess_data"
 
 
 @dataclass
@@ -90,15 +106,49 @@ def _clean_pairs(pl: PairLines, on_bad_utf8: str) -> _Cleaned:
     return _Cleaned(pivot, other, filters, replaced)
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--output {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"--output {out}: exists and is not empty (use --overwrite to replace it)")
+def is_legacy_data_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a DATA_DIR written before output directories carried a marker
+    (its manifest.json is ours): ``--overwrite`` may replace it."""
+    manifest = Path(path) / MANIFEST
+    try:
+        if manifest.stat().st_size > 64 << 20:
+            return False
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT
+
+
+def check_output_dir(
+    output: str | Path,
+    kind: str,
+    overwrite: bool,
+    inputs: list[tuple[str, str | Path | None]],
+    legacy: Callable[[Path], bool] | None = None,
+    flag: str = "--output",
+) -> bool:
+    """:func:`cli.prepare_output` for a data tool's output directory, as a DataError."""
+    try:
+        return prepare_output(output, kind, overwrite, flag, inputs, legacy)
+    except OutputError as exc:
+        raise DataError(str(exc)) from None
+
+
+def write_failure(exc: BaseException, out: Path, flag: str = "--output") -> DataError:
+    """A DataError naming the output (not the temporary directory) for a failed write."""
+    return DataError(f"{flag} {out}: cannot write ({write_failure_reason(exc)})")
 
 
 # The texts being encoded, visible to forked workers, which then receive only line ranges.
 _FORK_TEXTS: list[list[str]] = []
+
+
+def _init_worker(model_file: str) -> None:
+    """A pool worker: Ctrl-C in a terminal signals the whole process group; the parent
+    handles it (terminates the pool, removes its temporary directory), workers ignore it
+    instead of each printing a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spm_lib.init_worker(model_file)
 
 
 def _encode_span(span: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -144,25 +194,30 @@ def _encode_all(
     elif "fork" in mp.get_all_start_methods():
         _FORK_TEXTS = texts
         pool = mp.get_context("fork").Pool(
-            workers, initializer=spm_lib.init_worker, initargs=(model_file,)
+            workers, initializer=_init_worker, initargs=(model_file,)
         )
         it = pool.imap(_encode_span, spans, chunksize=1)
     else:
         pool = mp.get_context("spawn").Pool(
-            workers, initializer=spm_lib.init_worker, initargs=(model_file,)
+            workers, initializer=_init_worker, initargs=(model_file,)
         )
         it = pool.imap(_encode_lines, with_lines, chunksize=1)
+    failed = True
     try:
         for (_, start, end), res in zip(spans, it, strict=True):
             results.append(res)
             bar.update(end - start)
+        failed = False
     finally:
         _FORK_TEXTS = []
         if gc_was_enabled:
             gc.enable()
         bar.close()
         if pool is not None:
-            pool.close()
+            if failed:
+                pool.terminate()  # Ctrl-C or an error: do not wait for the queued chunks
+            else:
+                pool.close()
             pool.join()
     by_text: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in range(len(texts))}
     for (k, _, _), res in zip(spans, results, strict=True):
@@ -192,6 +247,25 @@ def _write_lines(path: Path, lines: list[str]) -> None:
             f.write(line + "\n")
 
 
+def _check_spm_options(o: spm_lib.SpmOptions) -> None:
+    """The SentencePiece options are finite and in range (the command line checks them too)."""
+
+    def bad(flag: str, value: object, want: str) -> DataError:
+        return DataError(f"{flag} must be {want}, got {value!r}")
+
+    if not isinstance(o.vocab_size, int) or not 8 <= o.vocab_size <= 1 << 24:
+        raise bad("--vocab-size", o.vocab_size, "an integer in [8, 16777216]")
+    if not isinstance(o.sample_size, int) or o.sample_size < 1:
+        raise bad("--spm-sample-size", o.sample_size, "an integer >= 1")
+    if not isinstance(o.seed, int) or not 0 <= o.seed <= 2**31 - 1:
+        raise bad("--seed", o.seed, "an integer in [0, 2147483647]")
+    cov, temp = o.character_coverage, o.temperature
+    if not isinstance(cov, (int, float)) or not (math.isfinite(cov) and 0 < cov <= 1):
+        raise bad("--character-coverage", cov, "a finite number in (0, 1]")
+    if not isinstance(temp, (int, float)) or not (math.isfinite(temp) and 0.01 <= temp <= 1000):
+        raise bad("--spm-temperature", temp, "a finite number in [0.01, 1000]")
+
+
 def preprocess(opts: PreprocessOptions) -> dict:
     """Run the whole pipeline; returns the manifest written to ``opts.output/manifest.json``."""
     langs = parse_langs(opts.langs, opts.pivot)
@@ -199,8 +273,13 @@ def preprocess(opts: PreprocessOptions) -> dict:
         raise DataError(f"--max-len must be >= 1, got {opts.max_len}")
     if opts.workers < 1:
         raise DataError(f"--workers must be >= 1, got {opts.workers}")
+    _check_spm_options(opts.spm)
+    for flag, value in (("--dev-size", opts.dev_size), ("--test-size", opts.test_size)):
+        if not isinstance(value, int) or value < 0:
+            raise DataError(f"{flag} must be an integer >= 0, got {value!r}")
     out = Path(opts.output)
-    _check_output(out, opts.overwrite)
+    inputs = [("--input", opts.input_dir)]
+    check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
     corpus, split_source = read_corpus(
         opts.fmt,
         opts.input_dir,
@@ -225,29 +304,26 @@ def preprocess(opts: PreprocessOptions) -> dict:
                 f"(filters: {cleaned[(lang, 'train')].filters})"
             )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise write_failure(exc, out) from None
     try:
         manifest = _build(opts, langs, pivot, pairs, corpus, cleaned, split_source, tmp)
-        _publish(tmp, out)
+        write_marker(tmp, DATA_TOOL, DATA_KIND)
+        # Still ours to replace (nothing else appeared there meanwhile).
+        check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
+        publish_dir(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(exc, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory to ``out`` (replacing an old one)."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _build(

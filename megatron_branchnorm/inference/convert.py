@@ -5,22 +5,34 @@ index in the layer list; past 99 it has more digits, so files are matched by par
 never sorted as strings), our ``train_config.json`` (resolved config, the index -> module-name
 map, the step) and ``checksums.json``. Every file is verified against the checksums, and layer
 files are read with ``torch.load(weights_only=True)``.
+
+The vocabulary exported with the weights (:func:`checkpoint_vocabulary`) is the tag's own copy
+of the training SentencePiece model (``spm.model``, checked against the sha256 recorded in
+``train_config.json``); only a checkpoint from before that copy existed falls back to the
+DATA_DIR's model, with a warning that it could not be checked.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.config import config_from_dict
+from megatron_branchnorm.cli import one_line, quote
+from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.pipeline import pipe_to_flat_key
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+SPM_IN_CHECKPOINT = "spm.model"
+"""The training SentencePiece model's copy in a checkpoint tag (written by the trainer)."""
+DATA_MANIFEST = "manifest.json"
+MAX_JSON_BYTES = 64 << 20
+"""Largest train_config.json / manifest.json read (ours are a few KB to a few MB)."""
 
 
 class ConvertError(ValueError):
@@ -30,26 +42,67 @@ class ConvertError(ValueError):
 def resolve_tags(save_dir: Path, tag: str | None, average_last: int = 1) -> list[str]:
     """The tag(s) to read: ``tag`` or ``latest``; with ``average_last`` K the K newest
     complete checkpoints up to that tag."""
+    if not save_dir.is_dir():
+        what = "does not exist" if not save_dir.exists() else "is not a directory"
+        raise ConvertError(f"--checkpoint {save_dir}: {what} (the train.save_dir of a run)")
+    if average_last < 1:
+        raise ConvertError(f"--average-last must be >= 1, got {average_last}")
     if tag is None:
-        tag = ckpt.read_latest(save_dir)
+        try:
+            tag = ckpt.read_latest(save_dir)
+        except ckpt.CheckpointError as exc:
+            raise ConvertError(str(exc)) from None
         if tag is None:
             raise ConvertError(f"{save_dir}: no checkpoint (no 'latest' file)")
+        if ckpt.tag_step(tag) is None:
+            raise ConvertError(f"{save_dir / 'latest'}: names {quote(tag)}, not a global_stepN tag")
+    elif ckpt.tag_step(tag) is None:
+        raise ConvertError(f"--tag {quote(tag)}: expected a tag like global_step4000")
     if not (save_dir / tag).is_dir():
         raise ConvertError(f"{save_dir / tag}: no such checkpoint")
-    if average_last <= 1:
+    if average_last == 1:
         return [tag]
-    step = int(tag.removeprefix("global_step"))
-    complete = sorted(
-        int(p.name.removeprefix("global_step"))
-        for p in save_dir.glob("global_step*")
-        if (p / ckpt.MANIFEST).is_file() and int(p.name.removeprefix("global_step")) <= step
-    )
+    step = ckpt.tag_step(tag)
+    complete = [
+        s for s in (ckpt.tag_step(t) for t in ckpt.checkpoint_tags(save_dir)[0]) if s <= step
+    ]
     if len(complete) < average_last:
         raise ConvertError(
             f"{save_dir}: --average-last {average_last} but only {len(complete)} complete "
             f"checkpoints up to {tag}"
         )
     return [ckpt.tag_for(s) for s in complete[-average_last:]]
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path`` (our own small files); ConvertError naming it otherwise."""
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ConvertError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not ours")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConvertError(f"{path}: missing") from None
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConvertError(f"{path}: unreadable ({one_line(reason, 300)})") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return data
+
+
+def read_train_config(tag_dir: Path) -> dict:
+    """``train_config.json`` of a checkpoint tag (the trainer's client state)."""
+    return _read_json(Path(tag_dir) / "train_config.json")
+
+
+def dataset_of(tag_dir: Path) -> str | None:
+    """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
+    config cannot be read: the caller reports that when it loads the checkpoint)."""
+    try:
+        data = read_train_config(tag_dir)["config"]["data"]["dataset"]
+    except (ConvertError, KeyError, TypeError):
+        return None
+    return data if isinstance(data, str) and data and data != "synthetic" else None
 
 
 def read_checkpoint(
@@ -63,12 +116,12 @@ def read_checkpoint(
             ckpt.verify_checkpoint(tag_dir)
         except ckpt.CheckpointError as exc:
             raise ConvertError(str(exc)) from None
+    info = read_train_config(tag_dir)
     info_path = tag_dir / "train_config.json"
     try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConvertError(f"{info_path}: unreadable: {exc}") from None
-    names = {int(k): v for k, v in info["spec_names"].items()}
+        names = {int(k): str(v) for k, v in info["spec_names"].items()}
+    except (KeyError, AttributeError, TypeError, ValueError):
+        raise ConvertError(f"{info_path}: key spec_names is missing or malformed") from None
     state: dict[str, torch.Tensor] = {}
     for path in tag_dir.iterdir():
         match = LAYER_FILE.match(path.name)
@@ -100,7 +153,11 @@ def load_pipeline_checkpoint(
         info, state = read_checkpoint(save_dir / t)
         infos.append(info)
         states.append(state)
-    cfg = config_from_dict(infos[-1]["config"])
+    try:
+        cfg = config_from_dict(infos[-1]["config"])
+    except (KeyError, ConfigError) as exc:
+        where = save_dir / tags[-1] / "train_config.json"
+        raise ConvertError(f"{where}: bad config: {one_line(str(exc), 300)}") from None
     model = build_model(cfg.model, seed=cfg.train.seed)
     if len(states) > 1:
         from megatron_branchnorm.inference.export import average_state_dicts
@@ -131,51 +188,269 @@ def load_pipeline_checkpoint(
     return model, meta
 
 
+# --------------------------------------------------------------------------------------------
+# The vocabulary exported with the weights
+# --------------------------------------------------------------------------------------------
+
+_TAG_PIECE = re.compile(r"^<2([^<>\s]+)>$")
+
+
+@dataclass
+class Vocabulary:
+    """The SentencePiece model to export with a checkpoint's weights."""
+
+    spm_path: Path | None = None
+    spm_sha256: str | None = None
+    source: str = "none"
+    """``checkpoint`` (the tag's own copy, checked), ``data`` (DATA_DIR's, checked against
+    the recorded sha256), ``data-unchecked`` (an older checkpoint) or ``none``."""
+    languages: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """One-line warnings for stderr."""
+
+    def provenance(self) -> dict:
+        """What export.json records about the vocabulary."""
+        return {"source": self.source, "spm_sha256": self.spm_sha256}
+
+
+def _recorded_vocab(tag_dir: Path, info: dict) -> dict | None:
+    """The ``vocab`` entry of a tag's train_config.json, checked (None: synthetic data)."""
+    vocab = info["vocab"]
+    if vocab is None:
+        return None
+    sha = vocab.get("spm_sha256") if isinstance(vocab, dict) else None
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise ConvertError(
+            f"{tag_dir / 'train_config.json'}: key vocab must be null or hold spm_sha256 (64 "
+            f"hex digits), got {quote(vocab)}"
+        )
+    return vocab
+
+
+def _spm_languages(path: Path) -> list[str]:
+    """The languages of the ``<2xx>`` tags of a SentencePiece model (sorted)."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as exc:
+        raise ConvertError(f"{path}: not a readable SentencePiece model ({exc})") from None
+    langs = []
+    for i in range(sp.get_piece_size()):
+        match = _TAG_PIECE.match(sp.id_to_piece(i))
+        if match:
+            langs.append(match.group(1))
+    return sorted(langs)
+
+
+def data_spm_model(data_dir: str | Path) -> tuple[Path | None, dict, str | None]:
+    """(the DATA_DIR's SentencePiece model or None, its manifest or {}, why it is None).
+
+    The manifest's ``spm_model`` must be a plain file name inside DATA_DIR: a manifest never
+    makes us copy another file of the machine into an export."""
+    data_dir = Path(data_dir)
+    manifest_path = data_dir / DATA_MANIFEST
+    if not manifest_path.is_file():
+        return None, {}, f"{manifest_path}: missing"
+    manifest = _read_json(manifest_path)
+    name = manifest.get("spm_model", "spm.model")
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or Path(name).name != name
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise ConvertError(
+            f"{manifest_path}: key spm_model must be a file name inside {data_dir}, "
+            f"got {quote(name)}"
+        )
+    path = data_dir / name
+    if not path.is_file():
+        return None, manifest, f"{path}: missing (named by {manifest_path} key spm_model)"
+    return path, manifest, None
+
+
+def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
+    """The SentencePiece model that belongs to the weights of ``tags`` (one tag, or the tags
+    averaged by ``--average-last``), for the export.
+
+    A checkpoint written by this trainer records ``vocab.spm_sha256`` in train_config.json
+    and keeps a copy of the model as ``spm.model``: that copy is exported after its sha256 is
+    checked (averaged tags must all record the same vocabulary). A checkpoint from before
+    (no ``vocab`` key) falls back to DATA_DIR's model, which cannot be checked: a warning
+    says so. ``vocab: null`` is synthetic data (no vocabulary)."""
+    save_dir = Path(save_dir)
+    infos = {t: read_train_config(save_dir / t) for t in tags}
+    records = {t: _recorded_vocab(save_dir / t, i) for t, i in infos.items() if "vocab" in i}
+    seen: dict[str | None, str] = {}
+    for t, vocab in records.items():
+        sha = None if vocab is None else vocab["spm_sha256"]
+        if seen and sha not in seen:
+            first_sha, first_tag = next(iter(seen.items()))
+            raise ConvertError(
+                f"--average-last {len(tags)}: {save_dir / first_tag} and {save_dir / t} were "
+                f"trained with different vocabularies (spm_sha256 {_short(first_sha)} vs "
+                f"{_short(sha)}); average checkpoints of one vocabulary only"
+            )
+        seen.setdefault(sha, t)
+    out = Vocabulary()
+    unrecorded = [t for t in tags if t not in records]
+    if records and unrecorded:
+        out.warnings.append(
+            f"{', '.join(str(save_dir / t) for t in unrecorded)}: no vocabulary recorded "
+            "(older checkpoint): cannot check it is the one of the other averaged tags"
+        )
+    last = tags[-1]
+    data = dataset_of(save_dir / last)
+    if records:
+        ref_tag = [t for t in tags if t in records][-1]
+        vocab = records[ref_tag]
+        if vocab is None:
+            return out  # synthetic data: no vocabulary
+        expected = vocab["spm_sha256"]
+        for t in reversed([t for t in tags if t in records]):
+            path = save_dir / t / SPM_IN_CHECKPOINT
+            if path.is_file():
+                actual = ckpt.sha256_file(path)
+                if actual != expected:
+                    raise ConvertError(
+                        f"{path}: sha256 {_short(actual)} is not the vocabulary recorded in "
+                        f"{save_dir / t / 'train_config.json'} (vocab.spm_sha256 "
+                        f"{_short(expected)})"
+                    )
+                out.spm_path, out.spm_sha256, out.source = path, actual, "checkpoint"
+                out.languages = _spm_languages(path)
+                return out
+        # Recorded but no copy kept: DATA_DIR's model, if it is the recorded one.
+        path, manifest, why = data_spm_model(data) if data else (None, {}, "no data.dataset")
+        if path is None:
+            out.warnings.append(
+                f"{save_dir / ref_tag}: no {SPM_IN_CHECKPOINT} and {why}: exporting without "
+                "a SentencePiece model"
+            )
+            return out
+        actual = ckpt.sha256_file(path)
+        if actual != expected:
+            raise ConvertError(
+                f"{path}: not the vocabulary the checkpoint was trained with (sha256 "
+                f"{_short(actual)}, {save_dir / ref_tag / 'train_config.json'} records "
+                f"{_short(expected)}; was {data} preprocessed again?) and "
+                f"{save_dir / ref_tag} has no {SPM_IN_CHECKPOINT} of its own"
+            )
+        out.spm_path, out.spm_sha256, out.source = path, actual, "data"
+        out.languages = _manifest_languages(manifest) or _spm_languages(path)
+        return out
+    # An older checkpoint: no record of its vocabulary.
+    if data is None:
+        return out
+    path, manifest, why = data_spm_model(data)
+    if path is None:
+        out.warnings.append(
+            f"{save_dir / last}: no {SPM_IN_CHECKPOINT} and {why}: exporting without a "
+            "SentencePiece model"
+        )
+        return out
+    model_vocab = _model_vocab_size(infos[last])
+    data_vocab = manifest.get("vocab_size")
+    if isinstance(model_vocab, int) and isinstance(data_vocab, int) and model_vocab != data_vocab:
+        raise ConvertError(
+            f"{Path(data) / DATA_MANIFEST}: vocab_size {data_vocab}, but the checkpoint's model "
+            f"has {model_vocab}: {data} was preprocessed again after training, and "
+            f"{save_dir / last} has no {SPM_IN_CHECKPOINT} of its own"
+        )
+    out.spm_path, out.spm_sha256, out.source = path, ckpt.sha256_file(path), "data-unchecked"
+    out.languages = _manifest_languages(manifest)
+    out.warnings.append(
+        f"{save_dir / last} records no vocabulary (a checkpoint from before spm.model was "
+        f"saved with the weights): exporting {path}, which could not be checked against them"
+    )
+    return out
+
+
+def _short(sha: str | None) -> str:
+    return "none (synthetic data)" if sha is None else f"{sha[:12]}..."
+
+
+def _manifest_languages(manifest: dict) -> list[str]:
+    langs = manifest.get("languages")
+    if isinstance(langs, list) and all(isinstance(x, str) for x in langs):
+        return list(langs)
+    return []
+
+
+def _model_vocab_size(info: dict) -> int | None:
+    try:
+        value = info["config"]["model"]["vocab_size"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Re-laying a checkpoint out for another number of stages
+# --------------------------------------------------------------------------------------------
+
+
 def repartition_checkpoint(
     save_dir: str | Path, out_dir: str | Path, stages: int, tag: str | None = None
 ) -> Path:
     """Re-lay a checkpoint out for ``stages`` pipeline stages into a new save_dir.
 
     Layer files are named by their index in the layer list, so they are copied unchanged
-    (their exports are byte-identical); the plan in ``train_config.json`` is recomputed
-    (balanced). DeepSpeed's per-stage engine files (optimizer state) cannot be re-laid out:
-    a run resumed from the result loads weights by layer and starts the optimizer afresh.
+    (their exports are byte-identical), with the tag's ``spm.model``; the plan in
+    ``train_config.json`` is recomputed (balanced). DeepSpeed's per-stage engine files
+    (optimizer state) cannot be re-laid out: a run resumed from the result loads weights by
+    layer and starts the optimizer afresh. ``out_dir`` must not exist or be empty (a save_dir
+    is never replaced: it may hold a run) and must not overlap ``save_dir``.
     """
+    import os
     import shutil
 
+    from megatron_branchnorm.cli import refuse_overlap
     from megatron_branchnorm.partition import partition_plan
 
     save_dir, out_dir = Path(save_dir), Path(out_dir)
+    refuse_overlap(out_dir, [("--checkpoint", save_dir)], "--output")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConvertError(
+            f"--output {out_dir}: already exists and is not empty (a re-laid checkpoint goes "
+            "into a new save_dir; it never replaces one)"
+        )
     (tag,) = resolve_tags(save_dir, tag)
     src = save_dir / tag
-    info, _ = read_checkpoint(src)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConvertError(f"{out_dir}: already exists and is not empty")
+    info, _ = read_checkpoint(src, indices=set())
     cfg = config_from_dict(info["config"])
     method = (
         cfg.pipeline.partition
         if cfg.pipeline.partition in ("balanced", "uniform")
         else ("balanced")
     )
-    parts = partition_plan(cfg.model, stages, method)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / tag).mkdir(parents=True)
-    for path in src.iterdir():
-        if LAYER_FILE.match(path.name):
-            shutil.copyfile(path, tmp / tag / path.name)
-    info["parts"] = parts
-    info["repartitioned"] = True
-    info["config"]["pipeline"]["stages"] = stages
-    info["config"]["pipeline"]["partition"] = method
-    (tmp / tag / "train_config.json").write_text(
-        json.dumps(info, indent=1, sort_keys=True), encoding="utf-8"
-    )
-    ckpt.write_manifest(tmp / tag, int(info["step"]))
-    ckpt.write_latest(tmp, tag)
+    try:
+        parts = partition_plan(cfg.model, stages, method)
+    except ConfigError as exc:
+        raise ConvertError(f"--repartition {stages}: {one_line(str(exc), 300)}") from None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if out_dir.exists():
-        out_dir.rmdir()
-    tmp.rename(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / tag).mkdir(parents=True)
+        for path in src.iterdir():
+            if LAYER_FILE.match(path.name) or path.name == SPM_IN_CHECKPOINT:
+                shutil.copyfile(path, tmp / tag / path.name)
+        info["parts"] = parts
+        info["repartitioned"] = True
+        info["config"]["pipeline"]["stages"] = stages
+        info["config"]["pipeline"]["partition"] = method
+        (tmp / tag / "train_config.json").write_text(
+            json.dumps(info, indent=1, sort_keys=True), encoding="utf-8"
+        )
+        ckpt.write_manifest(tmp / tag, int(info["step"]))
+        ckpt.write_latest(tmp, tag)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,10 +31,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_branchnorm.checkpoint import sha256_file
+from megatron_branchnorm.cli import (
+    OutputError,
+    one_line,
+    prepare_output,
+    publish_dir,
+    quote,
+    temp_dir_beside,
+    write_failure_reason,
+    write_marker,
+)
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branchnorm_alpha, residual_constants
+from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
@@ -43,6 +53,9 @@ SPM = "spm.model"
 META = "export.json"
 EXPORT_FORMAT = "megatron_branchnorm-export"
 EXPORT_VERSION = 1
+EXPORT_KIND = "export"
+"""Marker kind of an export directory (cli.MARKER)."""
+EXPORT_TOOL = "convert_checkpoint"
 
 
 class ExportError(ValueError):
@@ -82,34 +95,72 @@ def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
     return 1.0
 
 
+def is_legacy_export(path: str | Path) -> bool:
+    """Whether ``path`` is an export written before output directories carried a marker
+    (its export.json has our ``format``): ``--overwrite`` may replace it."""
+    meta_path = Path(path) / META
+    try:
+        if meta_path.stat().st_size > 1 << 20:
+            return False
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == EXPORT_FORMAT
+
+
+def prepare_export_dir(
+    out_dir: str | Path,
+    overwrite: bool,
+    output_flag: str = "--output",
+    inputs: Sequence[tuple[str, str | Path | None]] = (),
+) -> bool:
+    """Check an export directory before anything is written (:func:`cli.prepare_output`):
+    it must not overlap an input and must be absent, empty, or (with ``overwrite``) an export
+    this project wrote (marker, or an older export's export.json). Returns whether an existing
+    directory will be replaced. Raises :class:`ExportError`."""
+    try:
+        return prepare_output(
+            out_dir, EXPORT_KIND, overwrite, output_flag, inputs, legacy=is_legacy_export
+        )
+    except OutputError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def write_failure(exc: BaseException, out_dir: Path, what: str) -> ExportError:
+    """An ExportError naming ``out_dir`` (not the temporary directory) for a failed write."""
+    return ExportError(f"{out_dir}: cannot write the {what}: {write_failure_reason(exc)}")
+
+
 def save_export(
     model: EncoderDecoder,
     out_dir: str | Path,
     spm_model_path: str | Path | None = None,
     meta: dict[str, Any] | None = None,
     overwrite: bool = False,
+    output_flag: str = "--output",
 ) -> Path:
     """Write ``model`` (folded to Post-LN unless it is Pre-LN) as an export directory.
 
     ``meta`` adds provenance to ``export.json`` (e.g. ``source_checkpoint``, ``languages``,
     ``tag``, ``averaged``); ``step``, ``alpha``, ``scheme`` and ``residual`` are filled in from
-    the model. Everything is written to a temporary directory beside ``out_dir`` that is renamed
-    at the end. An existing non-empty ``out_dir`` is an error unless ``overwrite``.
+    the model. Everything is written to a temporary directory beside ``out_dir`` (with the
+    marker :data:`cli.MARKER`) that is renamed at the end. An existing non-empty ``out_dir`` is
+    an error unless ``overwrite``, and even then unless it is an export this project wrote; an
+    ``out_dir`` that is, contains or lies inside the SentencePiece model is refused.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ExportError(f"{out_dir}: already exists and is not empty (pass overwrite)")
+    inputs = [("the SentencePiece model", spm_model_path)] if spm_model_path else []
+    prepare_export_dir(out_dir, overwrite, output_flag, inputs)
     if spm_model_path is not None and not Path(spm_model_path).is_file():
         raise ExportError(f"{spm_model_path}: SentencePiece model not found")
     scheme = Scheme(model.cfg.residual)
     alpha = _residual_alpha(model)
     exported = model if scheme in (Scheme.PRELN, Scheme.POSTLN) else fold_to_postln(model)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        tmp = temp_dir_beside(out_dir)
+    except OSError as exc:
+        raise write_failure(exc, out_dir, "export") from None
     try:
         save_file(export_state_dict(exported), str(tmp / WEIGHTS), metadata={"format": "pt"})
         model_dict = dataclasses.asdict(exported.cfg)
@@ -134,9 +185,12 @@ def save_export(
         with open(tmp / META, "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2, ensure_ascii=False, sort_keys=False)
             f.write("\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        write_marker(tmp, EXPORT_TOOL, EXPORT_KIND)
+        prepare_export_dir(out_dir, overwrite, output_flag, inputs)  # still ours to replace
+        publish_dir(tmp, out_dir)
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(exc, out_dir, "export") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -154,7 +208,7 @@ def model_config_from_dict(data: Any, where: str) -> ModelConfig:
     try:
         return parse_model_config(data)
     except ConfigError as exc:
-        raise ExportError(f"{where}: {exc}") from None
+        raise ExportError(f"{where}: {one_line(str(exc), 500)}") from None
 
 
 def _read_meta(export_dir: Path) -> dict[str, Any]:
@@ -164,11 +218,11 @@ def _read_meta(export_dir: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{path}: not valid JSON ({exc})") from None
+        raise ExportError(f"{path}: not valid JSON ({one_line(str(exc), 300)})") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{path}: not a {EXPORT_FORMAT} file")
     if meta.get("version") != EXPORT_VERSION:
-        raise ExportError(f"{path}: unsupported export version {meta.get('version')!r}")
+        raise ExportError(f"{path}: unsupported export version {quote(meta.get('version'))}")
     return meta
 
 
@@ -178,10 +232,11 @@ def read_export_config(export_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ExportError(f"{path}: missing")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_bounded(path.read_text(encoding="utf-8"), str(path))
+    except YAMLLimitError as exc:
+        raise ExportError(one_line(str(exc), 500)) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        msg = " ".join(str(exc).split())
-        raise ExportError(f"{path}: cannot read ({msg})") from None
+        raise ExportError(f"{path}: cannot read ({one_line(str(exc), 300)})") from None
     if not isinstance(data, dict) or set(data) != {"model"}:
         raise ExportError(f"{path}: expected exactly one section 'model'")
     return model_config_from_dict(data["model"], str(path))

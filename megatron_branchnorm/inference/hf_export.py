@@ -30,20 +30,35 @@ feeds the model (``<2de> ▁Hello </s>``).
 from __future__ import annotations
 
 import json
-import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_branchnorm.inference.export import SPM, ExportError, load_export
+from megatron_branchnorm.cli import (
+    OutputError,
+    prepare_output,
+    publish_dir,
+    temp_dir_beside,
+    write_marker,
+)
+from megatron_branchnorm.inference.export import (
+    EXPORT_TOOL,
+    SPM,
+    ExportError,
+    load_export,
+    write_failure,
+)
 from megatron_branchnorm.inference.translate import TAG_PATTERN
 from megatron_branchnorm.model import EncoderDecoder, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 PARITY_TOLERANCE = 1e-4  # DESIGN.md §10: HF export logits vs ours
+HF_EXPORT_KIND = "hf_export"
+"""Marker kind of a Hugging Face export directory (cli.MARKER)."""
 
 
 class HFExportError(ValueError):
@@ -184,14 +199,30 @@ def export_hf(
     out_dir: str | Path,
     spm_model_path: str | Path | None = None,
     verify: bool = True,
+    overwrite: bool = False,
+    output_flag: str = "--output",
+    inputs: Sequence[tuple[str, str | Path | None]] = (),
 ) -> dict[str, Any]:
     """Write a MarianMTModel directory (config, safetensors weights, generation config, and a
     MarianTokenizer when a SentencePiece model is known) for an export directory or a model.
 
     With ``verify`` the directory is loaded back with ``MarianMTModel.from_pretrained`` and its
     logits compared with ours; returns ``{"max_abs_diff": ..., "tokenizer": bool}``. Raises
-    HFExportError for a model Marian cannot express or a parity failure.
+    HFExportError for a model Marian cannot express or a parity failure. ``out_dir`` must not
+    overlap the source export, the SentencePiece model or ``inputs`` (``(flag, path)``) and
+    must be absent, empty, or (with ``overwrite``) a directory this function wrote (its
+    marker, kind :data:`HF_EXPORT_KIND`); ExportError otherwise, before any work.
     """
+    out_dir = Path(out_dir)
+    inputs = list(inputs)
+    if not isinstance(source, EncoderDecoder):
+        inputs.append(("the source export", source))
+    if spm_model_path is not None:
+        inputs.append(("the SentencePiece model", spm_model_path))
+    try:
+        prepare_output(out_dir, HF_EXPORT_KIND, overwrite, output_flag, inputs)
+    except OutputError as exc:
+        raise ExportError(str(exc)) from None
     try:
         from transformers import GenerationConfig, MarianConfig, MarianMTModel
     except ImportError:
@@ -204,13 +235,10 @@ def export_hf(
             spm_model_path = Path(source) / SPM
     model = _postln(model).eval()
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir}: already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp = temp_dir_beside(out_dir)
+    except OSError as exc:
+        raise write_failure(exc, out_dir, "Hugging Face export") from None
     try:
         config = MarianConfig(**marian_config_dict(model))
         hf = MarianMTModel(config).eval()
@@ -241,8 +269,15 @@ def export_hf(
             raise HFExportError(
                 f"transformers logits differ from ours by {diff:.3g} (> {PARITY_TOLERANCE})"
             )
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+        write_marker(tmp, EXPORT_TOOL, HF_EXPORT_KIND)
+        try:
+            prepare_output(out_dir, HF_EXPORT_KIND, overwrite, output_flag, inputs)
+        except OutputError as exc:
+            raise ExportError(str(exc)) from None
+        publish_dir(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(exc, out_dir, "Hugging Face export") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -172,8 +172,15 @@ def test_output_not_empty_and_overwrite(tmp_path: Path) -> None:
     (tmp_path / "out" / "keep").write_text("x")
     with pytest.raises(DataError, match="exists and is not empty"):
         run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"])
+    # --overwrite replaces only a DATA_DIR this tool wrote, never a user's directory.
+    with pytest.raises(DataError, match="was not written as data by this project"):
+        run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"], overwrite=True)
+    assert (tmp_path / "out" / "keep").read_text() == "x"
+    (tmp_path / "out" / "keep").unlink()
+    run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"])
+    (tmp_path / "out" / "stale").write_text("x")
     run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"], overwrite=True)
-    assert not (tmp_path / "out" / "keep").exists()
+    assert not (tmp_path / "out" / "stale").exists()
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 
@@ -284,7 +291,7 @@ def test_cli_help_and_one_line_error(tmp_path: Path) -> None:
         "--vocab-size",
         "100",
     )
-    assert r.returncode == 1
+    assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "opus.de-en-test.de has 1" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
