@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.demo import free_port
 
@@ -468,6 +469,10 @@ def launch(plan: Plan, name: str, workdir: Path, signal_after: int | None = None
     }
 
 
+REHEARSAL_KIND = "rehearsal"
+"""The marker kind of a rehearsal's --workdir (cli.MARKER)."""
+
+
 def run_ok(record: dict[str, Any] | None, expect: int = 0) -> bool:
     """Whether every rank of the run exited with ``expect``."""
     return bool(record) and all(c == expect for c in record["exit_codes"])
@@ -476,11 +481,20 @@ def run_ok(record: dict[str, Any] | None, expect: int = 0) -> bool:
 def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> dict[str, Any]:
     """Run the five runs into ``workdir`` (stopping at the first that fails); writes and
     returns the runs record (``runs.json``)."""
-    if workdir.exists() and any(workdir.iterdir()):
-        if not overwrite:
-            raise RehearsalError(f"{workdir}: not empty (pass --overwrite to replace it)")
+    try:  # --overwrite removes only a workdir a rehearsal wrote (its marker, or runs.json)
+        replace = prepare_output(
+            workdir,
+            REHEARSAL_KIND,
+            overwrite,
+            "--workdir",
+            legacy=lambda p: (p / "runs.json").is_file(),
+        )
+    except OutputError as exc:
+        raise RehearsalError(str(exc)) from None
+    if replace:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    write_marker(workdir, "rehearse", REHEARSAL_KIND)
     record: dict[str, Any] = {"plan": dataclasses.asdict(plan), "cpu": cpu_description()}
     record["runs"] = {}
     order = [

@@ -585,3 +585,32 @@ def test_ctrl_c_during_preprocess(tmp_path):
     assert "Traceback" not in err
     assert err.strip().splitlines() == ["interrupted (Ctrl-C): nothing half-written was kept"]
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+# The same class in the demo and the rehearsal tool, which replace their own outputs on reruns.
+
+
+def test_demo_refuses_an_out_directory_it_did_not_write(tmp_path):
+    from megatron_branchnorm.demo import DemoError, DemoOptions, run_demo
+
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "thesis.tex").write_text("years of work")
+    with pytest.raises(DemoError, match="is not a demo's output directory"):
+        run_demo(DemoOptions(out=home))
+    assert (home / "data" / "thesis.tex").read_text() == "years of work"
+    corpus = tmp_path / "demo" / "data" / "raw"  # an earlier demo's DATA_DIR as --corpus
+    corpus.mkdir(parents=True)
+    write_marker(tmp_path / "demo", "run_demo", "demo")
+    with pytest.raises(DemoError, match="--corpus .*: lies inside --out .*data"):
+        run_demo(DemoOptions(out=tmp_path / "demo", corpus=corpus))
+
+
+def test_rehearse_overwrite_removes_only_a_rehearsal_workdir(tmp_path):
+    from megatron_branchnorm.rehearse import RehearsalError, rehearse
+
+    mine = tmp_path / "runs"
+    (mine / "week3").mkdir(parents=True)
+    with pytest.raises(RehearsalError, match="was not written as rehearsal"):
+        rehearse(None, mine, overwrite=True)
+    assert (mine / "week3").is_dir()
