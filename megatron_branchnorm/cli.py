@@ -178,6 +178,35 @@ def prepare_output(
     return check_overwritable(out, kind, output_flag)
 
 
+def claim_output_dir(
+    out: str | Path,
+    tool: str,
+    kind: str,
+    parts: Iterable[str],
+    legacy: str | tuple[str, ...],
+    flag: str = "--out",
+) -> Path:
+    """For a tool that replaces its own ``parts`` (sub-directories and files) of ``out`` on
+    every run: ``out`` must be new, empty, or written by this tool before: its marker of
+    ``kind``, or, for outputs older than markers, a file of ``legacy`` that only this tool
+    writes there (never a generic part such as ``data``: a user's home has one). It is then
+    created and marked. An :class:`OutputError` otherwise: a user's directory is never
+    cleared."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        marker = read_marker(out)
+        legacy = (legacy,) if isinstance(legacy, str) else legacy
+        ours = marker.get("kind") == kind if marker else any((out / f).is_file() for f in legacy)
+        if not out.is_dir() or not ours:
+            raise OutputError(
+                f"{flag} {out}: exists and was not written by {tool} (no {MARKER}); it "
+                f"replaces {', '.join(parts)} inside it: choose a new or empty {flag}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, tool, kind)
+    return out
+
+
 def temp_dir_beside(out: Path) -> Path:
     """A fresh temporary directory next to ``out`` (same file system, so the final rename is
     atomic), named after it and this process; an OSError if it cannot be made."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import MARKER, OutputError, read_marker, refuse_overlap, write_marker
+from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap
 from megatron_branchnorm.plotting import PlotError, read_metrics, series
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -458,28 +458,21 @@ def prepare_data(
 
 DEMO_KIND = "demo"
 """The marker kind of a demo's --out (cli.MARKER)."""
-DEMO_PARTS = ("corpus", "data", "train", "export", "eval", "logs", "plots")
+DEMO_PARTS = ("report.md", "corpus", "data", "train", "export", "eval", "logs", "plots")
 """What the demo writes (and replaces) inside --out."""
 
 
 def check_demo_out(out: Path, corpus: Path | None) -> None:
-    """The demo replaces its own parts of ``out`` (DEMO_PARTS) on every run, so ``out`` must
-    be new, empty, or an earlier demo's (its marker, or its report.md), and a given
-    ``--corpus`` must not be one of those parts."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        marker = read_marker(out)
-        ours = marker.get("kind") == DEMO_KIND if marker else (out / "report.md").is_file()
-        if not out.is_dir() or not ours:
-            raise DemoError(
-                f"--out {out}: exists and is not a demo's output directory (no {MARKER}); the "
-                f"demo replaces {', '.join(DEMO_PARTS)} inside it: choose a new or empty --out"
-            )
-    if corpus is not None:
-        try:
+    """The demo replaces its own parts of ``out`` on every run (cli.claim_output_dir: ``out``
+    must be new, empty or an earlier demo's), and a given ``--corpus`` must not lie in what it
+    replaces."""
+    try:
+        if corpus is not None:
             replaced = [("--out", out / part) for part in ("data", "train", "export", "eval")]
             refuse_overlap(corpus, replaced, "--corpus")
-        except OutputError as exc:
-            raise DemoError(str(exc)) from None
+        claim_output_dir(out, "run_demo", DEMO_KIND, DEMO_PARTS, legacy="report.md")
+    except OutputError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
@@ -499,8 +492,6 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
         raise DemoError(f"--minutes must be > 0, got {opts.minutes}")
     depth = parse_layers(opts.layers)
     check_demo_out(out, opts.corpus)
-    out.mkdir(parents=True, exist_ok=True)
-    write_marker(out, "run_demo", DEMO_KIND)
     logs = out / "logs"
     py = sys.executable
     timings: dict[str, float] = {}

@@ -47,6 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402 (no torch)
+
 PROG = "depth_study.py"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
 FULL_DEPTHS = (6, 24, 50, 100, 200, 500)
@@ -510,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             if not results:
                 raise StudyError(f"{cells_dir}: no finished cells for these schemes and depths")
         else:
+            try:  # it replaces its corpus, data and cells on reruns: never a user's directory
+                parts = ("cells", "corpus", "data", "table.md")
+                claim_output_dir(args.out, "depth_study", "depth_study", parts, legacy="table.md")
+            except OutputError as exc:
+                raise StudyError(str(exc)) from None
             data = (args.data or ensure_data(args.out)).resolve()
             results = []
             grid = [(d, sc) for d in depths for sc in schemes]

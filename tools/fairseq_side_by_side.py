@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402
 from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged  # noqa: E402
 from megatron_branchnorm.tokens import lang_tag  # noqa: E402
 
@@ -460,7 +461,13 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             raise SideBySideError(str(exc)) from None
         out = args.out.resolve()
-        out.mkdir(parents=True, exist_ok=True)
+        parts = ("fairseq", "corpus", "data", "logs", "side_by_side.json", "report.md")
+        try:  # it replaces these on reruns: never a user's directory
+            claim_output_dir(
+                out, "fairseq_side_by_side", "side_by_side", parts, "side_by_side.json"
+            )
+        except OutputError as exc:
+            raise SideBySideError(str(exc)) from None
         systems: dict[str, dict[str, Any]] = {}
         if not args.report_only:
             data = build_data(out, args.langs, args.vocab_size, args.from_demo)

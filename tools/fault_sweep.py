@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
+from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402
 from megatron_branchnorm.trainer import SAVE_POINTS  # noqa: E402
 from tests.faults.common import (  # noqa: E402
     kill_hard_when,
@@ -238,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         "--world", type=int, choices=[2, 4], default=2, help="ranks (kill-points, soak)"
     )
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    modes = ("kill-points", "corruption", "soak", "hang")
+    parts = ("reference", "kill_points", "corruption", "soak", "hang", "MODE.json")
+    try:  # it replaces these on reruns: never a user's directory
+        legacy = tuple(f"{m}{w}.json" for m in modes for w in ("", "_w4"))
+        claim_output_dir(args.out, "fault_sweep", "fault_sweep", parts, legacy)
+    except OutputError as exc:
+        parser.error(str(exc))
     if args.mode == "kill-points":
         result = kill_points(args.out, args.steps, args.world)
     elif args.mode == "corruption":

@@ -11,6 +11,7 @@ lists each case with its test.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -596,7 +597,7 @@ def test_demo_refuses_an_out_directory_it_did_not_write(tmp_path):
     home = tmp_path / "home"
     (home / "data").mkdir(parents=True)
     (home / "data" / "thesis.tex").write_text("years of work")
-    with pytest.raises(DemoError, match="is not a demo's output directory"):
+    with pytest.raises(DemoError, match="was not written by run_demo"):
         run_demo(DemoOptions(out=home))
     assert (home / "data" / "thesis.tex").read_text() == "years of work"
     corpus = tmp_path / "demo" / "data" / "raw"  # an earlier demo's DATA_DIR as --corpus
@@ -614,3 +615,26 @@ def test_rehearse_overwrite_removes_only_a_rehearsal_workdir(tmp_path):
     with pytest.raises(RehearsalError, match="was not written as rehearsal"):
         rehearse(None, mine, overwrite=True)
     assert (mine / "week3").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv"),
+    [
+        ("depth_study", ["--depths", "2", "--schemes", "postln", "--steps", "1"]),
+        ("fault_sweep", ["hang"]),
+    ],
+)
+def test_research_tools_never_clear_a_users_directory(tmp_path, tool, argv):
+    """The research tools replace their own parts of --out on reruns (corpus, data, cells,
+    reference runs...): a directory they did not write is refused before anything runs."""
+    from tests.tool_loader import load_tool
+
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "notes.txt").write_text("mine")
+    module = load_tool(tool)
+    with pytest.raises(SystemExit) if tool == "fault_sweep" else contextlib.nullcontext():
+        code = module.main([*argv, "--out", str(home)])
+        assert code == 2
+    assert (home / "data" / "notes.txt").read_text() == "mine"
+    assert not (home / ".megatron_branchnorm-output.json").exists()
