@@ -1165,7 +1165,24 @@ class Trainer:
 
 
 def run(cfg: ExperimentConfig) -> int:
-    """Train with ``cfg``; returns the process exit code."""
-    code = Trainer(cfg).train()
+    """Train with ``cfg``; returns the process exit code.
+
+    The process group is destroyed when the ranks end together (done, stopped by a signal, or
+    an error they agreed on): left to the interpreter's exit, gloo's worker threads are torn
+    down after Python and a rank sometimes aborts with "terminate called without an active
+    exception" (SIGABRT: exit 0 or 75 became -6; seen in the demo test, pytorch#190489).
+    After an error of one rank alone the others may still be in a collective, so it is left.
+    """
+    try:
+        code = Trainer(cfg).train()
+    except TrainError:
+        _destroy_process_group()
+        raise
+    _destroy_process_group()
     sys.stdout.flush()
     return code
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
