@@ -201,6 +201,21 @@ class EncDecPipelineModule(PipelineModule):
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
+    def _synchronize_tied_weights(self) -> None:
+        """DeepSpeed's copy of the tied embedding from its first stage to the others (at
+        construction and after a checkpoint load), without autograd.
+
+        DeepSpeed 0.19.8 broadcasts the Parameter itself with grad enabled. ``broadcast_`` has
+        no autograd kernel, so torch's fallback hooks the in-place write on the parameter and
+        warns at every backward that reaches the embedding ("c10d::broadcast_: an autograd
+        kernel was not registered ... silently incorrect behavior", on every stage holding
+        it). The hook passes the gradient through unchanged, which is right for a copy of
+        values (tests/pipeline/test_pipeline.py checks the embedding's gradient against the
+        flat model's either way); the copy needs no autograd, so it is done under no_grad.
+        """
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
 
 def build_pipeline_module(
     cfg: ModelConfig,

@@ -41,6 +41,18 @@ def test_two_stage_matches_flat_model(harness, scheme, ckpt):
     assert result["stage0_encoder_walks"] == result["micro_batches"] == 2
 
 
+def test_tied_embedding_copy_leaves_no_autograd_fallback(harness):
+    """DeepSpeed copies the tied embedding to the last stage with an in-place broadcast; done
+    with grad enabled, torch's autograd fallback hooked the parameter and warned at every
+    backward ("c10d::broadcast_: an autograd kernel was not registered"). The gradients that
+    flow through that parameter on both stages are checked against the flat model above
+    (test_two_stage_matches_flat_model: embedding.weight on each stage, 1e-5)."""
+    assert "Using topology" in (harness / "rank0.log").read_text()  # the harness's logs
+    for rank in (0, 1):
+        log = (harness / f"rank{rank}.log").read_text()
+        assert "c10d::broadcast_" not in log, log[log.index("c10d::broadcast_") - 300 :][:900]
+
+
 def test_resume_is_exact(harness):
     full = {r["step"]: r for r in metrics(harness / "full")}
     resumed = metrics(harness / "resume")
