@@ -81,6 +81,12 @@ SAVE_POINTS = ("engine_file", "after_engine", "after_rng", "after_config", "afte
 """Where a save can be cut: after DeepSpeed's first file of this rank, after DeepSpeed's
 save, after the RNG file, after train_config.json, after the manifest (``latest`` not moved)."""
 
+FP16_ON_CPU_ENV = "MBN_TEST_FP16_ON_CPU"
+"""Test-only emulation: with ``1`` here, DeepSpeed's CPU accelerator reports fp16 as
+supported, so the fp16 engine path (DeepSpeed's ZeRO-1 optimizer with dynamic loss scaling)
+runs on CPU ranks in the test suite. What it proves and what only a GPU can: docs/design.md
+§7. Never set it for a real run: on most CPUs fp16 compute is emulated and slow."""
+
 YAML_OWNED_DS_KEYS = {
     "train_batch_size": "train.micro_batches",
     "train_micro_batch_size_per_gpu": "data.max_tokens",
@@ -185,6 +191,45 @@ def check_ds_types(ds: dict, path: Path) -> None:
             if not ok:
                 want = {bool: "true or false", int: "an integer", float: "a finite number"}[tp]
                 raise ConfigError(f"{path}: key {name} must be {want}, got {quote(v)}")
+
+
+def allow_fp16_on_cpu_for_tests() -> bool:
+    """Apply the :data:`FP16_ON_CPU_ENV` emulation when it is set and the accelerator is the
+    CPU; True when it was applied."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if os.environ.get(FP16_ON_CPU_ENV) != "1" or acc.device_name() != "cpu":
+        return False
+    acc.is_fp16_supported = lambda: True
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+    return True
+
+
+def check_precision_supported(ds: dict, path: str) -> None:
+    """A ConfigError naming the DeepSpeed JSON when it asks for a precision this machine's
+    accelerator cannot run (DeepSpeed itself raises 'Type fp16 is not supported on your
+    device' from every rank, mid-initialisation), with what to use instead."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    device = acc.device_name()
+    if ds.get("fp16", {}).get("enabled") and not acc.is_fp16_supported():
+        instead = (
+            "ds_configs/zero1_bf16.json on a GPU with bf16 (A100, H100)"
+            if device != "cpu"
+            else "ds_configs/cpu_fp32.json (or ds_configs/zero1_bf16.json) on CPU ranks"
+        )
+        raise ConfigError(
+            f"config key train.deepspeed_config: {path}: fp16.enabled is true, but this "
+            f"machine's accelerator ({device}) cannot run fp16; use {instead}"
+        )
+    if ds.get("bf16", {}).get("enabled") and not acc.is_bf16_supported():
+        raise ConfigError(
+            f"config key train.deepspeed_config: {path}: bf16.enabled is true, but this "
+            f"machine's accelerator ({device}) cannot run bf16 (V100 and older GPUs); use "
+            "ds_configs/zero1_fp16.json"
+        )
 
 
 def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
@@ -457,6 +502,8 @@ class Trainer:
         cfg = resolve_vocab(cfg)
         self.cfg = cfg
         self.ds_config = load_ds_config(cfg, self.dp)
+        allow_fp16_on_cpu_for_tests()
+        check_precision_supported(self.ds_config, cfg.train.deepspeed_config)
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
@@ -1081,9 +1128,7 @@ class Trainer:
                     "lr": lr,
                     "grad_norm": None if gn is None else float(gn),
                     "alpha": alpha,
-                    "loss_scale": float(getattr(self.optimizer, "cur_scale", 1.0))
-                    if self.fp32
-                    else float(getattr(self.engine.optimizer, "cur_scale", 1.0)),
+                    "loss_scale": self._loss_scale(),
                     "tokens_per_sec": interval_tokens / max(now - last_log_time, 1e-9),
                     "samples": self.samples,
                     "ids_hash": self.ids_hash,
@@ -1136,6 +1181,7 @@ class Trainer:
                 "skipped_steps": self.skipped,
                 "first_nonfinite_stage": stage,
                 "first_nonfinite_module": module,
+                "loss_scale": self._loss_scale(),  # after the skip: fp16 lowered it
                 "ids_hash": self.ids_hash,
             }
         )
@@ -1156,6 +1202,10 @@ class Trainer:
         if self.is_logger:
             print(msg, file=sys.stderr, flush=True)
         return True
+
+    def _loss_scale(self) -> float:
+        """fp16's dynamic loss scale (DeepSpeed's optimizer); 1.0 in fp32 and bf16."""
+        return 1.0 if self.fp32 else float(getattr(self.engine.optimizer, "cur_scale", 1.0))
 
     @staticmethod
     def _memory_mb() -> float:
