@@ -10,6 +10,10 @@ The vocabulary exported with the weights (:func:`checkpoint_vocabulary`) is the 
 of the training SentencePiece model (``spm.model``, checked against the sha256 recorded in
 ``train_config.json``); only a checkpoint from before that copy existed falls back to the
 DATA_DIR's model, with a warning that it could not be checked.
+
+A bf16 checkpoint's layer files hold the bf16 weights the model computed with; the exact
+weights are the fp32 master weights of DeepSpeed's BF16 optimizer, one file per stage and
+data-parallel rank (:func:`read_master_weights`). Exports and re-laid checkpoints take those.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.pipeline import pipe_to_flat_key
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+BF16_OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+"""DeepSpeed's BF16 optimizer state of one (data-parallel rank, stage): a flat fp32 partition
+of the stage's parameters per group and, per group, where each parameter lies in it."""
+TIED_PREFIX = "tied_modules.embed."
 SPM_IN_CHECKPOINT = "spm.model"
 """The training SentencePiece model's copy in a checkpoint tag (written by the trainer)."""
 DATA_MANIFEST = "manifest.json"
@@ -141,6 +149,78 @@ def read_checkpoint(
     return info, state
 
 
+def read_master_weights(tag_dir: Path, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a bf16 checkpoint as flat keys (1-D: the caller shapes
+    them like the layer files' tensors); {} when the checkpoint has none (fp32, fp16).
+
+    Each stage's parameters are flattened and split over its data-parallel ranks in rank
+    order; ``param_slice_mappings`` says where each parameter's piece lies in a rank's
+    partition, so a parameter is the concatenation of its pieces over the ranks. The tied
+    embedding is held by the first and the last stage with the same values: the first
+    stage's copy is taken.
+    """
+    files: dict[int, dict[int, Path]] = {}
+    for path in tag_dir.iterdir():
+        match = BF16_OPTIM_FILE.match(path.name)
+        if match:
+            files.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    if not files:
+        return {}
+    # the one non-tensor type in these files (weights_only=True refuses anything else)
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    state: dict[str, torch.Tensor] = {}
+    for stage in sorted(files):
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for dp in sorted(files[stage]):
+            path = files[stage][dp]
+            try:
+                with torch.serialization.safe_globals([fragment_address]):
+                    saved = torch.load(path, map_location="cpu", weights_only=True)
+                opt = saved["optimizer_state_dict"]
+                groups = zip(
+                    opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"], strict=True
+                )
+                for flat, mapping in groups:
+                    for name, addr in mapping.items():
+                        pieces.setdefault(name, []).append(flat.narrow(0, addr.start, addr.numel))
+            except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+                raise ConvertError(
+                    f"{path}: cannot read bf16 master weights: {one_line(str(exc), 300)}"
+                ) from None
+        for name, parts in pieces.items():
+            if name.startswith(TIED_PREFIX):
+                key = name.removeprefix(TIED_PREFIX)
+            else:
+                idx, local = name.split(".", 1)
+                if int(idx) not in names:
+                    raise ConvertError(f"{files[stage][0]}: layer {idx} is not in the layout")
+                key = pipe_to_flat_key(names[int(idx)], local)
+            state.setdefault(key, torch.cat(parts))
+    return state
+
+
+def _apply_master_weights(
+    tag_dir: Path, names: dict[int, str], state: dict[str, torch.Tensor]
+) -> bool:
+    """Replace ``state``'s bf16-rounded weights by the fp32 master weights, when the
+    checkpoint has them; True when it did."""
+    master = read_master_weights(tag_dir, names)
+    if not master:
+        return False
+    if set(master) != set(state):
+        odd = sorted(set(master) ^ set(state))[:3]
+        raise ConvertError(f"{tag_dir}: bf16 master weights do not match the layer files: {odd}")
+    for key, value in master.items():
+        if value.numel() != state[key].numel():
+            raise ConvertError(
+                f"{tag_dir}: bf16 master weight {key} has {value.numel()} values, its layer "
+                f"file {state[key].numel()}"
+            )
+        state[key] = value.view_as(state[key]).clone()
+    return True
+
+
 def load_pipeline_checkpoint(
     save_dir: str | Path, tag: str | None = None, average_last: int = 1
 ) -> tuple[EncoderDecoder, dict]:
@@ -149,8 +229,11 @@ def load_pipeline_checkpoint(
     save_dir = Path(save_dir)
     tags = resolve_tags(save_dir, tag, average_last)
     infos, states = [], []
+    masters = []
     for t in tags:
         info, state = read_checkpoint(save_dir / t)
+        names = {int(k): str(v) for k, v in info["spec_names"].items()}
+        masters.append(_apply_master_weights(save_dir / t, names, state))
         infos.append(info)
         states.append(state)
     try:
@@ -184,6 +267,9 @@ def load_pipeline_checkpoint(
         "averaged": tags if len(tags) > 1 else [],
         "pipeline_stages": len(infos[-1]["parts"]) - 1,
         "data": cfg.data.dataset,
+        "weights": "fp32 master weights (bf16 training: DeepSpeed's BF16 optimizer)"
+        if all(masters)
+        else "layer files",
     }
     return model, meta
 
@@ -398,7 +484,8 @@ def repartition_checkpoint(
     """Re-lay a checkpoint out for ``stages`` pipeline stages into a new save_dir.
 
     Layer files are named by their index in the layer list, so they are copied unchanged
-    (their exports are byte-identical), with the tag's ``spm.model``; the plan in
+    (their exports are byte-identical), with the tag's ``spm.model``; a bf16 checkpoint's
+    layer files are written with its fp32 master weights instead (:func:`read_master_weights`); the plan in
     ``train_config.json`` is recomputed (balanced). DeepSpeed's per-stage engine files
     (optimizer state) cannot be re-laid out: a run resumed from the result loads weights by
     layer and starts the optimizer afresh. ``out_dir`` must not exist or be empty (a save_dir
@@ -435,9 +522,18 @@ def repartition_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         (tmp / tag).mkdir(parents=True)
+        names = {int(k): str(v) for k, v in info["spec_names"].items()}
+        master = read_master_weights(src, names)  # bf16: the optimizer files stay behind
         for path in src.iterdir():
-            if LAYER_FILE.match(path.name) or path.name == SPM_IN_CHECKPOINT:
+            if path.name == SPM_IN_CHECKPOINT or (LAYER_FILE.match(path.name) and not master):
                 shutil.copyfile(path, tmp / tag / path.name)
+            elif LAYER_FILE.match(path.name):  # the layer file with its fp32 master weights
+                idx = int(LAYER_FILE.match(path.name).group(1))
+                layer = torch.load(path, map_location="cpu", weights_only=True)
+                for key, value in layer.items():
+                    exact = master[pipe_to_flat_key(names[idx], key)]
+                    layer[key] = exact.view(value.shape).clone()
+                torch.save(layer, tmp / tag / path.name)
         info["parts"] = parts
         info["repartitioned"] = True
         info["config"]["pipeline"]["stages"] = stages

@@ -28,6 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_branchnorm.inference.convert import (
+    load_pipeline_checkpoint,
+    read_checkpoint,
+    repartition_checkpoint,
+)
 from megatron_branchnorm.trainer import FP16_ON_CPU_ENV
 from tests.faults.common import wait_all
 from tests.pipeline.conftest import ROOT, launch_ranks
@@ -105,6 +110,8 @@ def bf16(tmp_path_factory) -> Path:
         _start(out, "s2", 2, f"train.max_steps={STEPS}", *ds),
         _start(out, "s2_split", 2, f"train.max_steps={STEPS}", *ds),  # resumes
     )
+    repartition_checkpoint(out / "s2", out / "rep1", 1)
+    _finish(_start(out, "rep1", 1, f"train.max_steps={STEPS + 1}", *ds))  # resumes, 1 stage
     return out
 
 
@@ -135,6 +142,41 @@ def test_bf16_resume_is_exact(bf16):
         if "loss" in r:
             for key in ("loss", "nll_loss", "lr", "alpha", "grad_norm"):
                 assert r[key] == full[r["step"]][key], (r["step"], key)
+
+
+def test_bf16_export_holds_the_fp32_master_weights(bf16):
+    """A bf16 checkpoint's layer files hold bf16 weights; the export takes DeepSpeed's fp32
+    master weights from the BF16 optimizer's files instead."""
+    model, meta = load_pipeline_checkpoint(bf16 / "s2")
+    assert meta["weights"].startswith("fp32 master weights")
+    exported = model.state_dict()
+    _, layers = read_checkpoint(bf16 / "s2" / f"global_step{STEPS}")
+    rounded = 0
+    for key, value in exported.items():
+        assert value.dtype == torch.float32
+        # within bf16's rounding of the layer files' copy (unit roundoff 2^-8)...
+        assert (value - layers[key]).abs().max() <= 2**-8 * value.abs().max() + 1e-12, key
+        rounded += torch.equal(value, value.bfloat16().float())
+    assert rounded == 0  # ...but none of them is a bf16 value: not the layer files
+    # read independently: the embedding in stage 0's optimizer file
+    path = bf16 / "s2" / f"global_step{STEPS}" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    # our own test output (DeepSpeed's fragment_address records are pickled)
+    opt = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    where = opt["param_slice_mappings"][0]["tied_modules.embed.embedding.weight"]
+    flat = opt["single_partition_of_fp32_groups"][0][where.start : where.start + where.numel]
+    assert torch.equal(flat.view_as(exported["embedding.weight"]), exported["embedding.weight"])
+
+
+def test_bf16_checkpoint_repartitions_with_its_master_weights(bf16):
+    original, _ = load_pipeline_checkpoint(bf16 / "s2")
+    relaid, meta = load_pipeline_checkpoint(bf16 / "rep1", tag=f"global_step{STEPS}")
+    assert meta["pipeline_stages"] == 1
+    for key, value in original.state_dict().items():
+        assert torch.equal(value, relaid.state_dict()[key]), key
+    # and a 1-stage bf16 run resumed it layer by layer
+    log = (bf16 / "logs_rep1" / "rank0.log").read_text()
+    assert "weights loaded layer by layer" in log
+    assert [r["step"] for r in _updates(bf16 / "rep1").values()] == [STEPS + 1]
 
 
 # ---- fp16 --------------------------------------------------------------------------------
