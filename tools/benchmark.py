@@ -50,6 +50,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import _bench_anchors  # noqa: E402
 import _bench_models  # noqa: E402
 
+from megatron_branchnorm.hardware import cpu_info, default_dtypes  # noqa: E402
+
 SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess")
 
 
@@ -635,6 +637,8 @@ def print_report(res: dict) -> None:
     print(f"# benchmark {res['date']}  ({res['machine']})")
     print(f"command: {res['command']}")
     print(f"load at start/end: {res['load_start']} / {res['load_end']}")
+    if "cpu" in res:
+        print(f"{res['cpu']}; precisions run: {res['dtypes']}")
     if "peak" in res:
         peaks = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in res["peak"].items())
         print(f"matmul peak: {peaks}")
@@ -662,7 +666,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="short version (1 round, fewer runs)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"of {','.join(SECTIONS)}")
     p.add_argument("--impls", default="ours,torch,fairseq,torchscale")
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help="fp32,bf16 (default on a CPU: bf16 only where the CPU has AVX-512-BF16 or AMX)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (model step)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per worker and dtype")
@@ -690,6 +698,12 @@ def main() -> int:
         help="a git revision of this repo: also time our code at that revision ('base')",
     )
     a = p.parse_args()
+    cpu = cpu_info()
+    log(cpu.describe())
+    if a.dtypes is None:
+        a.dtypes = ",".join(default_dtypes(cpu) if a.device == "cpu" else ("fp32", "bf16"))
+        if a.device == "cpu" and not cpu.native_bf16:
+            log("bf16 sections skipped: no native bf16 on this CPU (--dtypes fp32,bf16 forces)")
     if a.quick:
         a.rounds, a.steps = 1, 2
     sections = [s for s in a.sections.split(",") if s]
@@ -717,6 +731,8 @@ def main() -> int:
         "command": " ".join(["python", "tools/benchmark.py", *sys.argv[1:]]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_start": load(),
+        "cpu": cpu.describe(),
+        "dtypes": a.dtypes,
     }
     if a.device != "cpu":
         import torch
