@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format venv clean
+.PHONY: test lint format venv clean gpu-check
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(PY) -m ruff check megatron_branchnorm tools tests
 	$(PY) -m ruff format --check megatron_branchnorm tools tests
+
+# On a CUDA machine: precision, checkpointing, Apex, throughput and NCCL parity in one table
+# (offline, from a wheelhouse: tools/build_wheelhouse.sh and docs/performance.md).
+gpu-check: $(VENV)/.installed
+	$(PY) tools/gpu_check.py
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format megatron_branchnorm tools tests

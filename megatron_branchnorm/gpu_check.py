@@ -1,0 +1,378 @@
+"""One command for whoever has a CUDA machine: does this project compute right there, and how
+fast? (``tools/gpu_check.py``, ``make gpu-check``; docs/performance.md has the results.)
+
+It prints one table. On the device (``cuda`` when available):
+
+1. **precision**: one batch through the flat model and through the 1-stage pipeline (DeepSpeed
+   engine, the shipped ``zero1_bf16.json`` / ``zero1_fp16.json``) in bf16 and fp16, against the
+   flat model in fp32 on the CPU (same weights, same batch): the loss, and the gradient (the
+   whole gradient vector for the flat model, the global norm for the engine);
+2. **activation checkpointing**: the pipeline's loss and gradient norm with checkpointing on
+   equal those with it off;
+3. **Apex**: FusedLayerNorm against torch's LayerNorm when Apex is importable, else the table
+   says that torch's LayerNorm runs;
+4. **throughput**: train.py for a few updates of a 12L-12L d=512 model with 16k tokens per
+   micro-batch (bf16, 1 stage), its tokens/s and peak memory beside the planner's prediction;
+5. **pipeline parity**: with 2 or more devices (``--ranks``), 2 and 4 stages against 1 stage
+   over 8 updates (fp32, NCCL on GPUs), as the CPU tests do over gloo.
+
+Tolerances against CPU fp32 (relative): the loss 1e-2 in bf16 and 2e-3 in fp16, the gradient
+5e-2 in bf16 and 1e-2 in fp16. bf16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3),
+fp16 11 (4.9e-4); a few roundings per layer compound over the layers of this small model to a
+few units, and the gradient, summed over the batch, to about ten. On the CPU (``--device
+cpu``, what the test suite runs, in small sizes) the same code checks itself; fp16 runs there
+only where the CPU has fp16 kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "megatron_branchnorm" / "train.py"
+TOL = {"bf16": {"loss": 1e-2, "grad": 5e-2}, "fp16": {"loss": 2e-3, "grad": 1e-2}}
+PARITY_TOL = 1e-4
+"""S stages vs 1 stage, fp32, per step (docs/design.md §5)."""
+SMALL = [
+    "model.encoder_layers=3",
+    "model.decoder_layers=3",
+    "model.dropout=0.0",
+    "model.branchnorm_steps=8",
+]
+"""The model of the precision checks (tiny_cpu's width)."""
+THROUGHPUT_GPU = [
+    "model.encoder_layers=12",
+    "model.decoder_layers=12",
+    "model.hidden_size=512",
+    "model.ffn_hidden_size=2048",
+    "model.num_attention_heads=8",
+    "model.vocab_size=32000",
+    "model.max_positions=256",
+    "data.max_tokens=16384",
+    "data.max_length=128",
+]
+THROUGHPUT_CPU = ["model.encoder_layers=2", "model.decoder_layers=2", "data.max_tokens=512"]
+
+
+@dataclass
+class Row:
+    check: str
+    value: str
+    limit: str = ""
+    ok: bool | None = None  # None: a figure, not a check
+
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: ""}[self.ok]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def environment(device: str) -> list[Row]:
+    import deepspeed
+    import torch
+
+    from megatron_branchnorm.hardware import cpu_info
+
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_info().describe()
+    rows = [
+        Row("device", name),
+        Row(
+            "torch / CUDA / DeepSpeed",
+            f"{torch.__version__} / {torch.version.cuda} / {deepspeed.__version__}",
+        ),  # fmt: skip
+    ]
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        rows.append(
+            Row("devices / memory", f"{torch.cuda.device_count()} / {total / 2**30:.1f} GiB")
+        )
+    return rows
+
+
+def _batch(cfg):
+    from megatron_branchnorm.synthetic import SyntheticData, collate
+
+    return collate(SyntheticData(64, cfg.model.vocab_size, 20), list(range(8)))
+
+
+def _flat(cfg, batch, device: str, dtype, step: int = 3):
+    """(loss per token, gradient vector on the CPU in fp32) of the flat model."""
+    import torch
+
+    from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
+
+    model = build_model(cfg.model, cfg.train.seed).to(device=device, dtype=dtype)
+    model.set_step(step)
+    logits = model(batch["src_tokens"].to(device), batch["prev_output_tokens"].to(device))
+    loss, _, _ = label_smoothed_nll_loss(logits.float(), batch["target"].to(device), 0.1)
+    loss = loss / batch["ntokens"]
+    loss.backward()
+    grads = [p.grad.detach().float().cpu().reshape(-1) for p in model.parameters()]
+    return float(loss.detach()), torch.cat(grads)
+
+
+def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step: int = 3):
+    """(loss per token, global gradient norm) of one update of the 1-stage pipeline engine
+    with the shipped DeepSpeed JSON of ``precision`` (learning rate 0: weights unchanged)."""
+    import dataclasses
+
+    import deepspeed
+
+    from megatron_branchnorm.partition import partition_plan
+    from megatron_branchnorm.pipeline import (
+        PipeLoss,
+        build_pipeline_module,
+        install_engine_fixes,
+        set_pipeline_step,
+    )
+    from megatron_branchnorm.trainer import AdamW, load_ds_config
+
+    json_name = {"fp32": "cpu_fp32.json", "bf16": "zero1_bf16.json", "fp16": "zero1_fp16.json"}
+    train = dataclasses.replace(
+        cfg.train,
+        deepspeed_config=str(ROOT / "ds_configs" / json_name[precision]),
+        micro_batches=2,
+        clip_grad=0.0,
+    )
+    ds = load_ds_config(dataclasses.replace(cfg, train=train), 1)
+    if precision == "fp16":
+        ds["fp16"]["initial_scale_power"] = 8  # no overflow to skip in a one-update check
+    loss_fn = PipeLoss(0.1)
+    loss_fn.scale = 2 / batch["ntokens"]  # the engine averages the 2 micro-batches
+    module = build_pipeline_module(
+        cfg.model, partition_plan(cfg.model, 1, "balanced"), cfg.train.seed, loss_fn, ckpt_interval
+    )
+    set_pipeline_step(module, cfg.model, step)
+    opt = AdamW([p for p in module.parameters() if p.requires_grad], lr=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
+    install_engine_fixes(engine)
+    if precision == "fp32":  # the trainer's own fp32 norm (DeepSpeed's counts stage 0 only)
+        from megatron_branchnorm.trainer import pipeline_grad_norm
+
+        opt.norm_fn = lambda: pipeline_grad_norm(module, engine.grid.get_model_parallel_group())
+    items = [
+        (
+            (batch["src_tokens"][i : i + 4].to(device), batch["prev_output_tokens"][i : i + 4].to(device)),
+            batch["target"][i : i + 4].to(device),
+        )
+        for i in (0, 4)
+    ]  # fmt: skip
+    loss = float(engine.train_batch(data_iter=iter(items)))
+    if not engine.was_step_applied():
+        raise RuntimeError(f"{precision}: the check's update overflowed")
+    return loss, float(engine.get_global_grad_norm())
+
+
+def precision_rows(device: str, precisions: list[str]) -> list[Row]:
+    import torch
+
+    from megatron_branchnorm.config import load_config
+
+    cfg = load_config("tiny_cpu", SMALL)
+    batch = _batch(cfg)
+    ref_loss, ref_grad = _flat(cfg, batch, "cpu", torch.float32)
+    ref_norm = float(ref_grad.norm())
+    rows = [
+        Row(
+            "reference: flat model, fp32, CPU", f"loss {ref_loss:.6f}, gradient norm {ref_norm:.5f}"
+        )
+    ]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for p in precisions:
+        tol = TOL[p]
+        loss, grad = _flat(cfg, batch, device, dtypes[p])
+        err = float((grad - ref_grad).norm()) / ref_norm
+        rows.append(Row(f"flat {p}: loss", f"{_rel(loss, ref_loss):.1e}", f"{tol['loss']:g}",
+                        _rel(loss, ref_loss) <= tol["loss"]))  # fmt: skip
+        rows.append(Row(f"flat {p}: gradient, norm of (g - g_fp32) / norm of g_fp32", f"{err:.1e}", f"{tol['grad']:g}",
+                        err <= tol["grad"]))  # fmt: skip
+        losses = {}
+        for ck in (0, 1):
+            losses[ck] = _pipeline(cfg, batch, device, p, ck)
+        loss, norm = losses[1]
+        rows.append(Row(f"1-stage pipeline {p} (checkpointing on): loss", f"{_rel(loss, ref_loss):.1e}",
+                        f"{tol['loss']:g}", _rel(loss, ref_loss) <= tol["loss"]))  # fmt: skip
+        rows.append(Row(f"1-stage pipeline {p}: gradient norm", f"{_rel(norm, ref_norm):.1e}",
+                        f"{tol['grad']:g}", _rel(norm, ref_norm) <= tol["grad"]))  # fmt: skip
+        same = losses[0] == losses[1]
+        rows.append(Row(f"activation checkpointing on = off ({p}): loss, gradient norm",
+                        "equal" if same else f"{losses[0]} vs {losses[1]}", "exact", same))  # fmt: skip
+    return rows
+
+
+def apex_rows(device: str) -> list[Row]:
+    import torch
+
+    from megatron_branchnorm.model.residual import apex_layernorm_class
+
+    cls = apex_layernorm_class()
+    if cls is None:
+        return [Row("Apex FusedLayerNorm", "not importable: torch.nn.LayerNorm runs")]
+    x = torch.randn(64, 37, 512, device=device)
+    ours, ref = cls(512).to(device), torch.nn.LayerNorm(512).to(device)
+    err = float((ours(x) - ref(x)).abs().max())
+    return [Row("Apex FusedLayerNorm vs torch LayerNorm, fp32: max |diff|", f"{err:.1e}", "1e-5",
+                err <= 1e-5)]  # fmt: skip
+
+
+def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) -> float:
+    """Run train.py on ``world`` ranks (one process each, as srun starts them); seconds."""
+    from megatron_branchnorm.demo import free_port
+    from megatron_branchnorm.rehearse import rank_env
+
+    port, start = free_port(), time.time()
+    args = [sys.executable, str(TRAIN), "--config", "tiny_cpu", *overrides,
+            f"train.save_dir={save_dir}"]  # fmt: skip
+    save_dir.mkdir(parents=True)
+    procs = []
+    for r in range(world):
+        log = open(save_dir.parent / f"{save_dir.name}.rank{r}.log", "w")  # noqa: SIM115
+        env = {**rank_env(r, world, port), "PYTHONWARNINGS": "ignore"}
+        procs.append(
+            subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        )
+    codes = [p.wait(timeout=timeout) for p in procs]
+    if any(codes):
+        log = (save_dir.parent / f"{save_dir.name}.rank0.log").read_text()[-1500:]
+        raise RuntimeError(f"train.py on {world} rank(s) exited {codes}: {log}")
+    return time.time() - start
+
+
+def _updates(save_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
+    import torch
+
+    from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.planner import plan_run
+
+    size = THROUGHPUT_GPU if device == "cuda" else THROUGHPUT_CPU
+    ds = "zero1_bf16.json"
+    overrides = [*size, "data.dataset=synthetic", "pipeline.stages=1", "train.micro_batches=1",
+                 f"train.max_steps={steps}", "train.log_interval=1", "train.eval_interval=0",
+                 "train.save_interval=0", f"train.deepspeed_config=ds_configs/{ds}"]  # fmt: skip
+    _launch(1, overrides, work / "throughput", timeout=1800)
+    rows = _updates(work / "throughput")[1:]  # the first update includes warm-up
+    tps = statistics.median(r["tokens_per_sec"] for r in rows)
+    mem = max(r["memory_mb"] for r in rows) / 1024
+    cfg = load_config("tiny_cpu", overrides)
+    memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
+    plan = plan_run(cfg, 1, float(memory), stages=1)
+    predicted = 2 * plan.tokens_per_update / plan.seconds_per_update  # source + target tokens
+    what = "12L-12L d=512, 16k tokens/micro-batch" if device == "cuda" else "2L-2L tiny (CPU)"
+    return [
+        Row(f"train.py {what}, bf16: tokens/s (median of {len(rows)})",
+            f"{tps:,.0f} (planner at {plan.tflops:g} TFLOP/s: {predicted:,.0f})"),
+        Row("train.py peak memory", f"{mem:.2f} GiB (planner: {plan.peak() / 2**30:.2f} GiB)"),
+    ]  # fmt: skip
+
+
+def parity_rows(ranks: int, work: Path) -> list[Row]:
+    base = ["model.dropout=0.0", "train.micro_batches=4", "train.max_steps=8",
+            "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0",
+            "pipeline.activation_checkpoint_interval=1"]  # fmt: skip
+    _launch(1, [*base, "pipeline.stages=1"], work / "parity1", timeout=900)
+    ref = {r["step"]: r["loss"] for r in _updates(work / "parity1")}
+    rows = []
+    for stages in (2, 4):
+        if stages > ranks:
+            rows.append(Row(f"{stages} stages vs 1 stage", f"not run: {ranks} rank(s)"))
+            continue
+        _launch(stages, [*base, f"pipeline.stages={stages}"], work / f"parity{stages}", 900)
+        got = {r["step"]: r["loss"] for r in _updates(work / f"parity{stages}")}
+        worst = max(_rel(got[s], ref[s]) for s in ref) if set(got) == set(ref) else math.inf
+        rows.append(Row(f"{stages} stages vs 1 stage, 8 updates, fp32: loss", f"{worst:.1e}",
+                        f"{PARITY_TOL:g}", worst <= PARITY_TOL))  # fmt: skip
+    return rows
+
+
+def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
+    """Every check of the module docstring, as table rows; runs and logs go to ``work``."""
+    import torch
+
+    from megatron_branchnorm.trainer import setup_process_env
+
+    setup_process_env()
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)  # its memory reports would bury the table
+
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    from deepspeed.accelerator import get_accelerator
+
+    from megatron_branchnorm.trainer import allow_fp16_on_cpu_for_tests
+
+    allow_fp16_on_cpu_for_tests()  # the test suite's emulation (trainer.FP16_ON_CPU_ENV)
+    precisions = ["bf16"] + (["fp16"] if get_accelerator().is_fp16_supported() else [])
+    rows = environment(device)
+    if "fp16" not in precisions:
+        rows.append(Row("fp16", "not run: this device cannot run fp16 (DeepSpeed's accelerator)"))
+    rows += precision_rows(device, precisions)
+    rows += apex_rows(device)
+    rows += throughput_rows(device, work, steps)
+    rows += parity_rows(ranks, work)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| check | value | limit | verdict |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run every check, print the table; exit 1 when a check failed."""
+    from megatron_branchnorm.cli import UsageError, run_main
+
+    return run_main(_main, argv, errors=(UsageError,))
+
+
+def _main(argv: list[str] | None) -> int:
+    from megatron_branchnorm.cli import ArgumentParser, int_flag
+
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--ranks", type=int_flag(1), default=None,
+                        help="devices for the pipeline parity (default: the GPUs, or 1)")  # fmt: skip
+    parser.add_argument("--steps", type=int_flag(2), default=12,
+                        help="updates of the throughput run")  # fmt: skip
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 1)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mbn_gpu_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "checks.log", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
+        rows = run_checks(device, ranks, args.steps, work)  # DeepSpeed's prints go to the log
+    print(format_table(rows))
+    print(f"\nlogs: {work}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+    return 0 if all(r.ok is not False for r in rows) else 1

@@ -1,0 +1,57 @@
+"""tools/gpu_check.py on the CPU (megatron_branchnorm/gpu_check.py): the same checks as on a
+GPU, in small sizes, with fp16 through the test-only emulation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_branchnorm import gpu_check
+from megatron_branchnorm.trainer import FP16_ON_CPU_ENV
+from tests.pipeline.conftest import ROOT
+
+pytestmark = pytest.mark.distributed
+
+
+def test_gpu_check_on_cpu_prints_one_passing_table(tmp_path):
+    env = {**__import__("os").environ, FP16_ON_CPU_ENV: "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu",
+         "--ranks", "2", "--steps", "2", "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert table[0] == "| check | value | limit | verdict |"
+    assert len(proc.stdout.splitlines()) == len(table) + 2  # the table, a blank, the logs line
+    checks = {line.split(" | ")[0].removeprefix("| "): line for line in table[2:]}
+    for precision in ("bf16", "fp16"):
+        assert checks[f"flat {precision}: loss"].endswith("| PASS |")
+        assert checks[f"1-stage pipeline {precision}: gradient norm"].endswith("| PASS |")
+        assert (
+            "equal"
+            in checks[f"activation checkpointing on = off ({precision}): loss, gradient norm"]
+        )
+    assert checks["2 stages vs 1 stage, 8 updates, fp32: loss"].endswith("| PASS |")
+    assert "not run: 2 rank(s)" in checks["4 stages vs 1 stage"]
+    assert "Apex FusedLayerNorm" in " ".join(checks)
+    assert any(c.startswith("train.py 2L-2L tiny (CPU), bf16: tokens/s") for c in checks)
+
+
+def test_a_failed_check_exits_1(monkeypatch, capsys, tmp_path):
+    rows = [gpu_check.Row("a figure", "1"), gpu_check.Row("a check", "2e-1", "1e-2", False)]
+    monkeypatch.setattr(gpu_check, "run_checks", lambda *a: rows)
+    assert gpu_check.main(["--device", "cpu", "--workdir", str(tmp_path)]) == 1
+    assert "| a check | 2e-1 | 1e-2 | FAIL |" in capsys.readouterr().out
+
+
+def test_cuda_where_there_is_none_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_check.main(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device" in err[0]

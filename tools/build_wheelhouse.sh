@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build a wheelhouse of what this project needs beyond torch, for a GPU machine without a
+# network (tools/gpu_check.py there). Run on a networked machine with the same Python
+# version and CPU architecture as the GPU machine, from the checkout, after `make venv`:
+#
+#     bash tools/build_wheelhouse.sh [DIR]          # default: wheelhouse/ (git-ignored)
+#
+# and on the GPU machine, whose torch is already installed (copy DIR there, e.g. as a
+# device tool's carried folder: it stays under 64 MiB):
+#
+#     python -m pip install --no-index --find-links DIR DIR/*.whl
+#     python -m pip install --no-deps --no-build-isolation -e .
+#     python tools/gpu_check.py
+#
+# The list is this venv's packages less torch and what torch brings (its CUDA/triton
+# companions, sympy, networkx, jinja2...), less what only the tests use, and less matplotlib
+# and TensorBoard with their dependencies (~45 MB: the plotting tools need matplotlib; the
+# trainer runs without TensorBoard and says so). DeepSpeed comes from PyPI as source and is
+# built here into a pure-Python wheel (its CUDA ops compile just in time on the GPU machine,
+# as they would anyway).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-wheelhouse}
+py=${PYTHON:-.venv/bin/python}
+"$py" -m pip --version > /dev/null || { echo "error: $py has no pip (run make venv)" >&2; exit 2; }
+mkdir -p "$dir"
+reqs=$(mktemp)
+trap 'rm -f "$reqs"' EXIT
+"$py" -m pip freeze --exclude-editable \
+    | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec|typing[-_]extensions)==' \
+    | grep -viE '^(pytest|iniconfig|pluggy|ruff|hypothesis|sortedcontainers|transformers|tokenizers|huggingface[-_]hub|hf[-_]xet|deepspeed)==' \
+    | grep -viE '^(matplotlib|pillow|fonttools|kiwisolver|contourpy|cycler|pyparsing|python[-_]dateutil|six)==' \
+    | grep -viE '^(tensorboard|tensorboard[-_]data[-_]server|grpcio|protobuf|absl[-_]py|markdown|werkzeug)==' \
+    > "$reqs"
+"$py" -m pip download --quiet --no-deps --only-binary=:all: -r "$reqs" -d "$dir"
+ds=$("$py" -c 'from importlib.metadata import version; print(version("deepspeed"))')
+DS_BUILD_OPS=0 "$py" -m pip wheel --quiet --no-deps --no-build-isolation "deepspeed==$ds" -w "$dir"
+"$py" -m pip download --quiet --no-deps --only-binary=:all: setuptools wheel -d "$dir"
+echo "$dir: $(ls "$dir" | wc -l) wheels, $(du -sh "$dir" | cut -f1)"
