@@ -117,6 +117,19 @@ def read_marker(directory: str | Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def json_has_format(path: str | Path, fmt: str, max_bytes: int) -> bool:
+    """Whether ``path`` is a JSON object of at most ``max_bytes`` whose ``format`` is ``fmt``:
+    how an output written before markers existed is recognised as ours."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > max_bytes:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == fmt
+
+
 def write_marker(directory: str | Path, tool: str, kind: str) -> None:
     """Mark ``directory`` as written by ``tool`` (its contents are of ``kind``)."""
     path = Path(directory) / MARKER

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from megatron_branchnorm.cli import (
     OutputError,
+    json_has_format,
     prepare_output,
     publish_dir,
     write_failure_reason,
@@ -109,14 +110,7 @@ def _clean_pairs(pl: PairLines, on_bad_utf8: str) -> _Cleaned:
 def is_legacy_data_dir(path: str | Path) -> bool:
     """Whether ``path`` is a DATA_DIR written before output directories carried a marker
     (its manifest.json is ours): ``--overwrite`` may replace it."""
-    manifest = Path(path) / MANIFEST
-    try:
-        if manifest.stat().st_size > 64 << 20:
-            return False
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT
+    return json_has_format(Path(path) / MANIFEST, MANIFEST_FORMAT, 64 << 20)
 
 
 def check_output_dir(

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from megatron_branchnorm.checkpoint import sha256_file
 from megatron_branchnorm.cli import (
     OutputError,
+    json_has_format,
     one_line,
     prepare_output,
     publish_dir,
@@ -98,14 +99,7 @@ def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
 def is_legacy_export(path: str | Path) -> bool:
     """Whether ``path`` is an export written before output directories carried a marker
     (its export.json has our ``format``): ``--overwrite`` may replace it."""
-    meta_path = Path(path) / META
-    try:
-        if meta_path.stat().st_size > 1 << 20:
-            return False
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == EXPORT_FORMAT
+    return json_has_format(Path(path) / META, EXPORT_FORMAT, 1 << 20)
 
 
 def prepare_export_dir(
