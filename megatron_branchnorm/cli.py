@@ -201,7 +201,7 @@ def claim_output_dir(
 ) -> Path:
     """For a tool that replaces its own ``parts`` (sub-directories and files) of ``out`` on
     every run: ``out`` must be new, empty, or written by this tool before: its marker of
-    ``kind``, or, for outputs older than markers, a file of ``legacy`` that only this tool
+    ``kind``, or, for outputs older than markers, an entry of ``legacy`` that only this tool
     writes there (never a generic part such as ``data``: a user's home has one). It is then
     created and marked. An :class:`OutputError` otherwise: a user's directory is never
     cleared."""
@@ -209,7 +209,7 @@ def claim_output_dir(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         marker = read_marker(out)
         legacy = (legacy,) if isinstance(legacy, str) else legacy
-        ours = marker.get("kind") == kind if marker else any((out / f).is_file() for f in legacy)
+        ours = marker.get("kind") == kind if marker else any((out / f).exists() for f in legacy)
         if not out.is_dir() or not ours:
             raise OutputError(
                 f"{flag} {out}: exists and was not written by {tool} (no {MARKER}); it "

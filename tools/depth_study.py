@@ -514,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:  # it replaces its corpus, data and cells on reruns: never a user's directory
                 parts = ("cells", "corpus", "data", "table.md")
-                claim_output_dir(args.out, "depth_study", "depth_study", parts, legacy="table.md")
+                claim_output_dir(
+                    args.out, "depth_study", "depth_study", parts, ("cells", "table.md")
+                )
             except OutputError as exc:
                 raise StudyError(str(exc)) from None
             data = (args.data or ensure_data(args.out)).resolve()

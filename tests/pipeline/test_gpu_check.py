@@ -29,6 +29,9 @@ def test_gpu_check_on_cpu_prints_one_passing_table(tmp_path):
     checks = {line.split(" | ")[0].removeprefix("| "): line for line in table[2:]}
     for precision in ("bf16", "fp16"):
         assert checks[f"flat {precision}: loss"].endswith("| PASS |")
+        assert checks[f"1-stage pipeline {precision} vs flat {precision}: loss"].endswith(
+            "| PASS |"
+        )
         assert checks[f"1-stage pipeline {precision}: gradient norm"].endswith("| PASS |")
         assert (
             "equal"
