@@ -143,6 +143,13 @@ class TrainConfig:
     """Save a checkpoint every k updates (and at the end); 0 saves only at the end."""
     eval_interval: int = 1000
     """Validation loss every k updates; 0 disables."""
+    keep_last: int = 0
+    """Keep the last k complete checkpoints and remove older ones; 0 keeps every checkpoint.
+    The one a resume loads is always kept (megatron_branchnorm/retention.py)."""
+    keep_best: int = 0
+    """Also keep the k checkpoints with the lowest validation loss at their step, named in
+    ``save_dir/best.json``; eval_interval must divide save_interval (without validation,
+    nothing is scored and only keep_last applies)."""
     log_interval: int = 10
     """Log a metrics line every k updates."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
@@ -472,6 +479,14 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(t.save_interval >= 0, "train.save_interval", f"must be >= 0, got {t.save_interval}")
     _check(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
     _check(t.log_interval >= 1, "train.log_interval", f"must be >= 1, got {t.log_interval}")
+    _check(t.keep_last >= 0, "train.keep_last", f"must be >= 0, got {t.keep_last}")
+    _check(t.keep_best >= 0, "train.keep_best", f"must be >= 0, got {t.keep_best}")
+    _check(
+        not (t.keep_best and t.eval_interval and t.save_interval % t.eval_interval),
+        "train.keep_best",
+        f"needs train.eval_interval ({t.eval_interval}) to divide train.save_interval "
+        f"({t.save_interval}): a checkpoint is scored by the validation loss at its step",
+    )
     _check(bool(t.deepspeed_config), "train.deepspeed_config", "must name a DeepSpeed JSON")
     _check(
         t.max_consecutive_skips >= 1,

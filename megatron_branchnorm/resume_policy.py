@@ -64,6 +64,8 @@ MAY_CHANGE: tuple[str, ...] = (
     "train.save_dir",
     "train.save_interval",
     "train.eval_interval",
+    "train.keep_last",
+    "train.keep_best",
     "train.log_interval",
     "train.deepspeed_config",
     "train.max_consecutive_skips",

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm import resume_policy, stop_signals
+from megatron_branchnorm import resume_policy, retention, stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line, quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_config
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
@@ -851,6 +851,20 @@ class Trainer:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         self.agree_or_raise(error)
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
+        self._retain()
+
+    def _retain(self) -> None:
+        """Checkpoint retention after a complete save (rank 0; every rank has finished
+        writing: the save ends in a collective). A failure to delete is a warning: the run
+        goes on, the next save tries again."""
+        t = self.cfg.train
+        if self.rank != 0 or not (t.keep_last or t.keep_best):
+            return
+        try:
+            _, line = retention.apply_retention(self.save_dir, t.keep_last, t.keep_best)
+        except OSError as exc:
+            line = f"warning: checkpoint retention failed: {describe_os_error(exc)}"
+        self.log(line)
 
     def _describe_save_failure(self, exc: BaseException, path) -> str:
         """One line for a failed checkpoint file: torch.save reports a full disk as a

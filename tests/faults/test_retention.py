@@ -1,0 +1,110 @@
+"""Checkpoint retention (megatron_branchnorm/retention.py): keep the last K and the best N,
+never the checkpoint a resume loads, the same after a preemption and resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.retention import (
+    BEST_FILE,
+    apply_retention,
+    best_checkpoints,
+    checkpoints_to_remove,
+    valid_losses,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
+
+
+def tags(*steps: int) -> list[str]:
+    return [ckpt.tag_for(s) for s in steps]
+
+
+def test_keep_last_and_best_never_what_a_resume_loads():
+    complete = tags(2, 4, 6, 8, 10)
+    # keep_last 0: keep everything
+    assert checkpoints_to_remove(complete, [], "global_step10", 0, []) == []
+    assert checkpoints_to_remove(complete, [], "global_step10", 2, []) == tags(2, 4, 6)
+    # the best and the one latest names survive even when older than the last K
+    assert checkpoints_to_remove(complete, [], "global_step4", 1, ["global_step2"]) == tags(6, 8)
+    # incomplete: older than the newest kept = a killed save's remains; newer = being written
+    assert checkpoints_to_remove(tags(2, 4), tags(3, 5), "global_step4", 1, []) == tags(2, 3)
+
+
+def test_best_by_valid_loss_at_the_checkpoints_step(tmp_path):
+    rows = [
+        {"step": 2, "valid_loss": 5.0},
+        {"step": 3, "loss": 4.0},
+        {"step": 4, "valid_loss": 4.5},
+        {"step": 6, "valid_loss": 4.5},
+        {"step": 8, "valid_loss": float("nan")},
+    ]
+    text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 10, "valid_lo'  # cut by a kill
+    (tmp_path / "metrics.jsonl").write_text(text)
+    losses = valid_losses(tmp_path)
+    assert losses == {2: 5.0, 4: 4.5, 6: 4.5}
+    # ties go to the earlier step; unscored checkpoints (no validation at their step) never
+    assert best_checkpoints(tags(2, 4, 5, 6, 8), losses, 2) == [("global_step4", 4.5), ("global_step6", 4.5)]  # fmt: skip
+
+
+def test_apply_removes_whole_directories_and_records_the_best(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / ckpt.tag_for(step)).mkdir()
+        (tmp_path / ckpt.tag_for(step) / "layer_00-model_states.pt").write_bytes(b"x")
+        (tmp_path / ckpt.tag_for(step) / ckpt.MANIFEST).write_text("{}")
+    (tmp_path / "global_step3").mkdir()  # a killed save
+    (tmp_path / ".removing-global_step1").mkdir()  # a pass killed while deleting
+    ckpt.write_latest(tmp_path, "global_step8")
+    rows = [{"step": s, "valid_loss": v} for s, v in ((2, 3.0), (4, 5.0), (6, 4.0), (8, 6.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    removed, line = apply_retention(tmp_path, keep_last=1, keep_best=1)
+    assert removed == tags(4, 6, 3)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert left == tags(2, 8)
+    best = json.loads((tmp_path / BEST_FILE).read_text())
+    assert best == {"metric": "valid_loss", "checkpoints": [{"tag": "global_step2", "valid_loss": 3.0}]}  # fmt: skip
+    assert "removed global_step4, global_step6, global_step3" in line
+
+
+def test_keep_best_needs_validation_at_the_saves():
+    with pytest.raises(ConfigError, match="train.keep_best: needs train.eval_interval"):
+        load_config("tiny_cpu", ["train.keep_best=1", "train.save_interval=4", "train.eval_interval=3"])  # fmt: skip
+    with pytest.raises(ConfigError, match="train.keep_last: must be >= 0"):
+        load_config("tiny_cpu", ["train.keep_last=-1"])
+    load_config("tiny_cpu", ["train.keep_best=1", "train.save_interval=4", "train.eval_interval=2"])  # fmt: skip
+
+
+def _train(save_dir: Path, steps: int) -> str:
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={save_dir}",
+         f"train.max_steps={steps}", "train.save_interval=2", "train.eval_interval=2",
+         "train.keep_last=2", "train.keep_best=1", "train.log_interval=1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_a_run_keeps_the_last_two_and_the_best_across_a_preemption(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    out = _train(full, 10)
+    _train(split, 5)  # stopped early (as by a preemption) with an extra end-of-run save
+    assert (split / "global_step5").is_dir()
+    _train(split, 10)  # the requeued job
+    losses = valid_losses(full)
+    best = min(losses, key=lambda s: (losses[s], s))
+    expected = sorted({8, 10, best})
+    for run in (full, split):
+        complete, incomplete = ckpt.checkpoint_tags(run)
+        assert complete == tags(*expected) and not incomplete
+        assert json.loads((run / BEST_FILE).read_text())["checkpoints"][0]["tag"] == ckpt.tag_for(best)  # fmt: skip
+    assert valid_losses(split) == losses  # the resume was exact: the same best
+    assert "retention (keep_last=2, keep_best=1): removed global_step2" in out or best == 2
