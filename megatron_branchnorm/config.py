@@ -143,6 +143,9 @@ class TrainConfig:
     """Save a checkpoint every k updates (and at the end); 0 saves only at the end."""
     eval_interval: int = 1000
     """Validation loss every k updates; 0 disables."""
+    patience: int = 0
+    """Stop (saving a checkpoint) once the validation loss has not improved for this many
+    validations in a row, as fairseq's --patience; 0 disables."""
     keep_last: int = 0
     """Keep the last k complete checkpoints and remove older ones; 0 keeps every checkpoint.
     The one a resume loads is always kept (megatron_branchnorm/retention.py)."""
@@ -479,6 +482,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(t.save_interval >= 0, "train.save_interval", f"must be >= 0, got {t.save_interval}")
     _check(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
     _check(t.log_interval >= 1, "train.log_interval", f"must be >= 1, got {t.log_interval}")
+    _check(t.patience >= 0, "train.patience", f"must be >= 0, got {t.patience}")
     _check(t.keep_last >= 0, "train.keep_last", f"must be >= 0, got {t.keep_last}")
     _check(t.keep_best >= 0, "train.keep_best", f"must be >= 0, got {t.keep_best}")
     _check(

@@ -64,6 +64,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "train.save_dir",
     "train.save_interval",
     "train.eval_interval",
+    "train.patience",
     "train.keep_last",
     "train.keep_best",
     "train.log_interval",

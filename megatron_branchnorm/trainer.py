@@ -41,6 +41,7 @@ from megatron_branchnorm.config import ConfigError, ExperimentConfig, dump_confi
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
+from megatron_branchnorm.patience import Patience, format_eta
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
@@ -1091,6 +1092,8 @@ class Trainer:
         self.log(describe_plan(cfg.model, self.parts))
         start_time = time.time()
         last_log_time, interval_tokens = time.time(), 0
+        first_step = self.step
+        patience = self._restore_patience()
         exit_code = 0
         consecutive = 0
         if self._agree_to_stop(False)[0]:
@@ -1149,12 +1152,14 @@ class Trainer:
                     "skipped_steps": self.skipped,
                     "memory_mb": self._memory_mb(),
                     "elapsed_s": now - start_time,
+                    "eta_s": self._eta(now - start_time, self.step - first_step),
                 }
                 self._write_metrics(record)
                 self.log(
                     f"step {self.step} | loss {record['loss']:.4f} | nll {nll:.4f} | "
                     f"lr {lr:.3g} | gnorm {record['grad_norm'] or 0:.3f} | alpha {alpha:.4f} | "
-                    f"tok/s {record['tokens_per_sec']:.0f} | mem {record['memory_mb']:.0f}MB"
+                    f"tok/s {record['tokens_per_sec']:.0f} | mem {record['memory_mb']:.0f}MB | "
+                    f"eta {format_eta(record['eta_s'])}"
                 )
                 last_log_time, interval_tokens = now, 0
             if applied and cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
@@ -1162,6 +1167,14 @@ class Trainer:
                 if vloss is not None:
                     self._write_metrics({"step": self.step, "valid_loss": vloss})
                     self.log(f"step {self.step} | valid loss {vloss:.4f}")
+                    if patience.update(self.step, vloss):  # the same value on every rank
+                        self.save()
+                        self._write_metrics(
+                            {"step": self.step, "early_stop": True, "best_valid_loss": patience.best,
+                             "best_step": patience.best_step}
+                        )  # fmt: skip
+                        self.log(f"early stop at step {self.step}: {patience.describe()}")
+                        break
             budget = cfg.train.max_time_minutes
             time_up = bool(budget) and (time.time() - start_time) >= budget * 60
             stop_now, time_up = self._agree_to_stop(time_up)
@@ -1181,6 +1194,23 @@ class Trainer:
                 self.save()
         dist.barrier()
         return exit_code
+
+    def _restore_patience(self) -> Patience:
+        """Early stopping's state at the resumed step, from rank 0's read of metrics.jsonl
+        (broadcast: every rank must take the same decision)."""
+        losses = [retention.valid_losses(self.save_dir) if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(losses, src=0)
+        patience = Patience(self.cfg.train.patience)
+        patience.restore(losses[0], self.step)
+        return patience
+
+    def _eta(self, elapsed: float, updates: int) -> float:
+        """Seconds to the end of training at this process's mean time per update: to
+        train.max_steps, or to the end of train.max_time_minutes when that comes first."""
+        left = (self.cfg.train.max_steps - self.step) * elapsed / max(updates, 1)
+        budget = self.cfg.train.max_time_minutes
+        return min(left, budget * 60 - elapsed) if budget else left
 
     def _on_skip(self, t: int, consecutive: int) -> bool:
         """Log a skipped update (metrics record and console); True when the run must stop."""
