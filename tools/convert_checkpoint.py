@@ -3,6 +3,7 @@
     python tools/convert_checkpoint.py --checkpoint runs/tiny --output exports/tiny
     python tools/convert_checkpoint.py --checkpoint runs/x --tag global_step4000 --average-last 5 \\
         --output exports/x --format hf
+    python tools/convert_checkpoint.py --checkpoint runs/x --average-best 3 --output exports/best3
 
 Reads a checkpoint written with any number of pipeline stages, verifies its checksums, builds
 the flat model, folds the residual scheme into a plain Post-LN model where it can (Pre-LN stays
@@ -35,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (numbers range-checked by argparse)."""
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of the run")
-    parser.add_argument("--tag", default=None, help="global_stepN (default: latest)")
+    parser.add_argument(
+        "--tag", default=None, help="global_stepN, or best (train.keep_best; default: latest)"
+    )
     parser.add_argument("--output", required=True, help="export directory to create")
     parser.add_argument("--format", choices=("native", "hf"), default="native")
     parser.add_argument(
@@ -44,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         metavar="K",
         help="average the last K complete checkpoints up to --tag",
+    )
+    parser.add_argument(
+        "--average-best",
+        type=int_flag(1, 10_000),
+        default=0,
+        metavar="K",
+        help="average the K best checkpoints by validation loss (best.json, train.keep_best)",
     )
     parser.add_argument(
         "--overwrite",
@@ -59,14 +69,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "for STAGES pipeline stages into --output (a new save_dir)",
     )
     args = parser.parse_args(argv)
+    if args.average_best and (args.average_last != 1 or args.tag is not None):
+        raise UsageError("--average-best takes neither --average-last nor --tag")
     if args.repartition is not None:
         if args.overwrite:
             raise UsageError(
                 "--overwrite does not apply to --repartition: a re-laid checkpoint goes into a "
                 "new save_dir and never replaces one"
             )
-        if args.average_last != 1 or args.format != "native":
-            raise UsageError("--repartition takes neither --average-last nor --format")
+        if args.average_last != 1 or args.average_best or args.format != "native":
+            raise UsageError("--repartition takes none of --average-last, --average-best, --format")
     return args
 
 
@@ -90,7 +102,7 @@ def _convert(argv: list[str] | None) -> int:
     # Before any work: the output must not overlap the run or its data, and --overwrite
     # only ever replaces a directory this tool wrote.
     refuse_overlap(args.output, [("--checkpoint", save_dir)], "--output")
-    tags = resolve_tags(save_dir, args.tag, args.average_last)
+    tags = resolve_tags(save_dir, args.tag, args.average_last, args.average_best)
     inputs = [
         ("--checkpoint", save_dir),
         ("the checkpoint's data.dataset", dataset_of(save_dir / tags[-1])),
@@ -102,7 +114,7 @@ def _convert(argv: list[str] | None) -> int:
         from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
 
         prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
-    model, meta = load_pipeline_checkpoint(save_dir, tags[-1], args.average_last)
+    model, meta = load_pipeline_checkpoint(save_dir, tags[-1], args.average_last, args.average_best)
     vocab = checkpoint_vocabulary(save_dir, meta["averaged"] or [meta["tag"]])
     for warning in vocab.warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -47,14 +47,47 @@ class ConvertError(ValueError):
     """A checkpoint that cannot be converted: the message names the file."""
 
 
-def resolve_tags(save_dir: Path, tag: str | None, average_last: int = 1) -> list[str]:
-    """The tag(s) to read: ``tag`` or ``latest``; with ``average_last`` K the K newest
-    complete checkpoints up to that tag."""
+def best_tags(save_dir: Path) -> list[str]:
+    """The checkpoints ``save_dir/best.json`` names, best first (train.keep_best)."""
+    from megatron_branchnorm.retention import BEST_FILE
+
+    path = save_dir / BEST_FILE
+    if not path.is_file():
+        raise ConvertError(f"{path}: missing (the run did not track its best checkpoints: train.keep_best)")  # fmt: skip
+    try:
+        tags = [str(c["tag"]) for c in _read_json(path)["checkpoints"]]
+    except (KeyError, TypeError):
+        raise ConvertError(f"{path}: expected {{'checkpoints': [{{'tag': ...}}, ...]}}") from None
+    for t in tags:
+        if ckpt.tag_step(t) is None or not (save_dir / t / ckpt.MANIFEST).is_file():
+            raise ConvertError(f"{path}: names {quote(t)}, not a complete checkpoint of {save_dir}")
+    return tags
+
+
+def resolve_tags(
+    save_dir: Path, tag: str | None, average_last: int = 1, average_best: int = 0
+) -> list[str]:
+    """The tag(s) to read: ``tag`` (``best``: the best checkpoint) or ``latest``; with
+    ``average_last`` K the K newest complete checkpoints up to that tag; with
+    ``average_best`` K the K best (``best.json``), in step order."""
     if not save_dir.is_dir():
         what = "does not exist" if not save_dir.exists() else "is not a directory"
         raise ConvertError(f"--checkpoint {save_dir}: {what} (the train.save_dir of a run)")
     if average_last < 1:
         raise ConvertError(f"--average-last must be >= 1, got {average_last}")
+    if average_best:
+        best = best_tags(save_dir)
+        if len(best) < average_best:
+            raise ConvertError(
+                f"{save_dir}: --average-best {average_best} but best.json names {len(best)} "
+                "checkpoint(s) (train.keep_best)"
+            )
+        return sorted(best[:average_best], key=ckpt.tag_step)
+    if tag == "best":
+        best = best_tags(save_dir)
+        if not best:
+            raise ConvertError(f"{save_dir}: best.json names no checkpoint yet")
+        tag = best[0]
     if tag is None:
         try:
             tag = ckpt.read_latest(save_dir)
@@ -222,12 +255,12 @@ def _apply_master_weights(
 
 
 def load_pipeline_checkpoint(
-    save_dir: str | Path, tag: str | None = None, average_last: int = 1
+    save_dir: str | Path, tag: str | None = None, average_last: int = 1, average_best: int = 0
 ) -> tuple[EncoderDecoder, dict]:
     """The flat model of a pipeline checkpoint (at the checkpoint's BranchNorm step), and
     provenance for the export's metadata."""
     save_dir = Path(save_dir)
-    tags = resolve_tags(save_dir, tag, average_last)
+    tags = resolve_tags(save_dir, tag, average_last, average_best)
     infos, states = [], []
     masters = []
     for t in tags:

@@ -108,3 +108,33 @@ def test_a_run_keeps_the_last_two_and_the_best_across_a_preemption(tmp_path):
         assert json.loads((run / BEST_FILE).read_text())["checkpoints"][0]["tag"] == ckpt.tag_for(best)  # fmt: skip
     assert valid_losses(split) == losses  # the resume was exact: the same best
     assert "retention (keep_last=2, keep_best=1): removed global_step2" in out or best == 2
+
+
+def test_convert_the_best_or_the_average_of_the_best(tmp_path):
+    """--tag best and --average-best K read best.json; the average is the mean of the K."""
+    import torch
+
+    from megatron_branchnorm.inference.convert import load_pipeline_checkpoint, resolve_tags
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={run}",
+         "train.max_steps=6", "train.save_interval=2", "train.eval_interval=2",
+         "train.keep_best=2", "train.log_interval=1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    best = [c["tag"] for c in json.loads((run / BEST_FILE).read_text())["checkpoints"]]
+    assert len(best) == 2 and len(ckpt.checkpoint_tags(run)[0]) == 3  # keep_last 0: all kept
+    assert resolve_tags(run, "best") == best[:1]
+    averaged, meta = load_pipeline_checkpoint(run, average_best=2)
+    assert meta["averaged"] == sorted(best, key=ckpt.tag_step)
+    one = [load_pipeline_checkpoint(run, tag=t)[0].state_dict() for t in best]
+    for key, value in averaged.state_dict().items():
+        assert torch.allclose(value, (one[0][key] + one[1][key]) / 2, atol=1e-7), key
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--checkpoint", str(run),
+         "--average-best", "3", "--output", str(tmp_path / "exp")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--average-best 3 but best.json names 2" in out.stderr
