@@ -17,6 +17,8 @@ setup(
         "deepspeed>=0.19.8,<0.20",
         "sentencepiece>=0.2",
         "sacrebleu>=2.4",
+        # Moses tokenisation for the tokenized BLEU of the WMT papers (evaluate.py --bleu).
+        "sacremoses>=0.1",
         "pyyaml>=6.0",
         "safetensors>=0.4",
         "tqdm>=4.66",

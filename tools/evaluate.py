@@ -6,8 +6,10 @@ against the raw references, averages X->En / En->X / all, a table on stdout.
         --json results/test.json --hyp-dir results/hyp
     python tools/evaluate.py --model exports/multiun --data data/multiun --split test --lowercase
 
-Cased BLEU by default (OPUS-100); --lowercase for MultiUN. The BLEU tokenizer follows the target
-language (zh; ja-mecab or char; 13a otherwise).
+Cased sacreBLEU by default (OPUS-100); --lowercase for MultiUN; --tokenize picks sacreBLEU's
+tokenizer (default: by target language: zh; ja-mecab or char; 13a otherwise); --bleu tokenized
+[--compound-split] is the tokenized BLEU of the WMT14 En-Fr and WMT17 En-De papers. The
+signature of every score is printed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="preprocessed DATA_DIR (manifest.json)")
     p.add_argument("--split", default="test", choices=SPLITS, help="dev or test (default test)")
     p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
+    p.add_argument(
+        "--bleu",
+        choices=("sacrebleu", "tokenized"),
+        default="sacrebleu",
+        help="sacrebleu: on detokenised text (OPUS-100, MultiUN); tokenized: Moses-tokenised "
+        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De)",
+    )
+    p.add_argument(
+        "--tokenize",
+        default=None,
+        help="sacreBLEU's tokenizer: 13a, intl, zh, ja-mecab, char, flores200, ... "
+        "(default: by target language)",
+    )
+    p.add_argument(
+        "--compound-split",
+        action="store_true",
+        help="with --bleu tokenized: a-b -> a ##AT##-##AT## b (customary for En-De)",
+    )
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
@@ -58,6 +78,7 @@ def _evaluate(argv: list[str] | None) -> int:
 
     from megatron_branchnorm.inference.evaluate import (
         EvaluationError,
+        Scoring,
         check_outputs,
         evaluate,
         format_table,
@@ -74,6 +95,8 @@ def _evaluate(argv: list[str] | None) -> int:
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
     )
     opts.check()
+    scoring = Scoring(args.bleu, args.tokenize, args.lowercase, args.compound_split)
+    scoring.check()  # before any translation: an unknown or missing tokenizer is one line
     wanted = None
     if args.directions is not None:
         wanted = list(dict.fromkeys(x.strip() for x in args.directions.split(",") if x.strip()))
@@ -103,6 +126,7 @@ def _evaluate(argv: list[str] | None) -> int:
         args.max_sentences,
         pivot_language(args.data),
         progress,
+        scoring,
     )
     if args.json:
         write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -22,6 +22,7 @@ two non-pivot languages (zero-shot), when the manifest has references for them, 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -34,6 +35,7 @@ from megatron_branchnorm.cli import (
     OutputError,
     check_output_file,
     check_parent_dir,
+    one_line,
     refuse_overlap,
     write_text_output,
 )
@@ -137,23 +139,93 @@ def bleu_tokenizer(tgt_lang: str) -> str:
     return "13a"
 
 
+SACREBLEU_TOKENIZERS = ("13a", "intl", "zh", "ja-mecab", "char", "flores101", "flores200", "none")
+"""Tokenizers ``--tokenize`` may name; one whose dependencies are missing is refused."""
+COMPOUND_SPLIT = re.compile(r"(\S)-(\S)")
+"""``a-b`` -> ``a ##AT##-##AT## b``: the compound splitting customary for En-De tokenized BLEU
+(as in tensor2tensor's and fairseq's ``get_ende_bleu.sh`` / ``compound_split_bleu.sh``)."""
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How BLEU is computed (chrF always on the detokenised text).
+
+    ``sacrebleu`` (default): sacreBLEU on detokenised text with ``tokenize`` (None: by target
+    language, :func:`bleu_tokenizer`). ``tokenized``: the multi-bleu style of the WMT14 En-Fr
+    and WMT17 En-De papers: hypotheses and references Moses-tokenised (sacremoses, the target
+    language's rules), optionally with compound splitting, then BLEU on whitespace tokens.
+    """
+
+    bleu: str = "sacrebleu"
+    tokenize: str | None = None
+    lowercase: bool = False
+    compound_split: bool = False
+
+    def check(self) -> None:
+        """A one-line EvaluationError for an unknown or unavailable choice."""
+        if self.bleu not in ("sacrebleu", "tokenized"):
+            raise EvaluationError(f"--bleu: unknown {self.bleu!r} (sacrebleu or tokenized)")
+        if self.bleu == "tokenized" and self.tokenize is not None:
+            raise EvaluationError("--tokenize applies to --bleu sacrebleu only")
+        if self.compound_split and self.bleu != "tokenized":
+            raise EvaluationError("--compound-split applies to --bleu tokenized only")
+        if self.tokenize is not None:
+            if self.tokenize not in SACREBLEU_TOKENIZERS:
+                known = ", ".join(SACREBLEU_TOKENIZERS)
+                raise EvaluationError(f"--tokenize: unknown {self.tokenize!r} ({known})")
+            try:
+                BLEU(tokenize=self.tokenize)
+            except Exception as exc:  # noqa: BLE001 - a missing optional dependency
+                raise EvaluationError(
+                    f"--tokenize {self.tokenize}: not available here ({one_line(str(exc), 200)})"
+                ) from None
+
+
+@cache
+def _moses(lang: str):
+    from sacremoses import MosesTokenizer
+
+    return MosesTokenizer(lang=lang)
+
+
+def moses_tokenize(lines: Sequence[str], lang: str, compound_split: bool = False) -> list[str]:
+    """Moses-tokenised lines (no HTML escaping), with ``a ##AT##-##AT## b`` compounds."""
+    tok = _moses(lang)
+    out = [tok.tokenize(line, return_str=True, escape=False) for line in lines]
+    return [COMPOUND_SPLIT.sub(r"\1 ##AT##-##AT## \2", x) for x in out] if compound_split else out
+
+
 def score_direction(
-    hypotheses: Sequence[str], references: Sequence[str], tgt_lang: str, lowercase: bool = False
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    tgt_lang: str,
+    lowercase: bool = False,
+    scoring: Scoring | None = None,
 ) -> dict[str, Any]:
     """{"bleu", "chrf", "signature"} of one direction (corpus-level, one reference)."""
+    scoring = scoring or Scoring(lowercase=lowercase)
     if len(hypotheses) != len(references):
         raise EvaluationError(
             f"{len(hypotheses)} hypotheses for {len(references)} references ({tgt_lang})"
         )
-    bleu = BLEU(tokenize=bleu_tokenizer(tgt_lang), lowercase=lowercase)
-    chrf = CHRF(lowercase=lowercase)
-    hyps, refs = list(hypotheses), [list(references)]
-    b = bleu.corpus_score(hyps, refs)
-    c = chrf.corpus_score(hyps, refs)
+    hyps, refs = list(hypotheses), list(references)
+    c = CHRF(lowercase=scoring.lowercase).corpus_score(hyps, [refs])
+    if scoring.bleu == "tokenized":
+        split = scoring.compound_split
+        hyps = moses_tokenize(hyps, tgt_lang, split)
+        refs = moses_tokenize(refs, tgt_lang, split)
+        bleu = BLEU(tokenize="none", lowercase=scoring.lowercase, force=True)
+        prefix = f"moses-tok:{tgt_lang}|compound-split:{'yes' if split else 'no'}|"
+    else:
+        bleu = BLEU(
+            tokenize=scoring.tokenize or bleu_tokenizer(tgt_lang), lowercase=scoring.lowercase
+        )
+        prefix = ""
+    b = bleu.corpus_score(hyps, [refs])
     return {
         "bleu": round(float(b.score), 4),
         "chrf": round(float(c.score), 4),
-        "signature": str(bleu.get_signature()),
+        "signature": prefix + str(bleu.get_signature()),
     }
 
 
@@ -238,6 +310,7 @@ def evaluate(
     max_sentences: int | None = None,
     pivot: str = "en",
     progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+    scoring: Scoring | None = None,
 ) -> dict[str, Any]:
     """Translate and score every direction; returns the JSON report (module docstring).
 
@@ -261,7 +334,7 @@ def evaluate(
         hyps = translator.translate(sources, d.src_lang, d.tgt_lang, opts, callback)
         if hyp_dir is not None:
             write_text_output(hypothesis_path(hyp_dir, d), "".join(h + "\n" for h in hyps))
-        results[d.name] = score_direction(hyps, refs, d.tgt_lang, lowercase)
+        results[d.name] = score_direction(hyps, refs, d.tgt_lang, lowercase, scoring)
     return {"directions": results, "averages": averages(results, pivot)}
 
 
@@ -269,9 +342,10 @@ def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of a report: one row per direction, then the averages."""
     rows = [f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer"]
     for name, r in report["directions"].items():
-        tok = next(
-            (p.split(":", 1)[1] for p in r["signature"].split("|") if p.startswith("tok:")), "?"
-        )
+        parts = dict(p.split(":", 1) for p in r["signature"].split("|") if ":" in p)
+        tok = parts.get("tok", "?")
+        if "moses-tok" in parts:  # --bleu tokenized
+            tok = "moses" + (" + compound split" if parts.get("compound-split") == "yes" else "")
         rows.append(f"{name:<12} {r['bleu']:>7.2f} {r['chrf']:>7.2f}  {tok}")
     rows.append("-" * 38)
     for name, value in report["averages"].items():

@@ -168,6 +168,50 @@ def test_evaluate_cli_json_hyps_and_sacrebleu_parity(tmp_path, text_export, monk
     assert report["directions"]["en-zh"]["bleu"] == pytest.approx(cli, abs=1e-4)
 
 
+def test_tokenized_bleu_known_values():
+    """BLEU = BP * exp(mean log p_n) (Papineni et al., 2002), computed by hand."""
+    from megatron_branchnorm.inference.evaluate import Scoring
+
+    tokenized = Scoring(bleu="tokenized")
+    # 6 tokens, 5 right: p1..p4 = 5/6, 4/5, 3/4, 2/3 -> (1/3)^(1/4)
+    r = score_direction(["a b c d e f"], ["a b c d e g"], "en", scoring=tokenized)
+    assert r["bleu"] == pytest.approx(100 * (1 / 3) ** 0.25, abs=1e-3)  # 75.98
+    assert (
+        r["signature"].startswith("moses-tok:en|compound-split:no|")
+        and "tok:none" in r["signature"]
+    )
+    # Moses tokenisation of both sides: "world!" and "world !" are the same tokens
+    assert score_direction(["Hello, big world!"], ["Hello , big world !"], "en", scoring=tokenized)["bleu"] == 100.0  # fmt: skip
+    assert score_direction(["Hello, big world!"], ["Hello , big world !"], "en")["bleu"] == 100.0  # 13a too  # fmt: skip
+    # compound splitting: without it the hyphenated word is one (matching) token of two
+    hyp, ref = ["state-of-the-art system"], ["state-of-the-art method"]
+    assert score_direction(hyp, ref, "de", scoring=tokenized)["bleu"] == 0.0
+    split = score_direction(hyp, ref, "de", scoring=Scoring(bleu="tokenized", compound_split=True))
+    # 8 tokens (##AT##-##AT## is one), 7 right: p = 7/8, 6/7, 5/6, 4/5 -> (1/2)^(1/4)
+    assert split["bleu"] == pytest.approx(100 * 0.5**0.25, abs=1e-3)  # 84.09
+    assert "compound-split:yes" in split["signature"]
+    # cased unless asked
+    assert score_direction(["A b c d"], ["a b c d"], "en", scoring=tokenized)["bleu"] < 100
+    lower = Scoring(bleu="tokenized", lowercase=True)
+    assert score_direction(["A b c d"], ["a b c d"], "en", scoring=lower)["bleu"] == 100.0
+
+
+def test_sacrebleu_tokenizer_is_selectable_and_checked():
+    from megatron_branchnorm.inference.evaluate import Scoring
+
+    for tok in ("13a", "intl", "char"):
+        Scoring(tokenize=tok).check()
+        r = score_direction(["a b c d"], ["a b c d"], "en", scoring=Scoring(tokenize=tok))
+        assert f"tok:{tok}" in r["signature"]
+    for bad, needle in (
+        (Scoring(tokenize="moses"), "--tokenize: unknown 'moses'"),
+        (Scoring(bleu="tokenized", tokenize="13a"), "--tokenize applies to --bleu sacrebleu"),
+        (Scoring(compound_split=True), "--compound-split applies to --bleu tokenized"),
+    ):
+        with pytest.raises(EvaluationError, match=needle):
+            bad.check()
+
+
 def test_evaluate_cli_errors(tmp_path, text_export, capsys):
     data = make_data_dir(tmp_path)
     main = load_tool("evaluate").main
@@ -175,6 +219,8 @@ def test_evaluate_cli_errors(tmp_path, text_export, capsys):
         (["--directions", "fr-en"], "fr-en"),
         (["--split", "valid"], "valid"),
         (["--max-sentences", "0"], "--max-sentences"),
+        (["--tokenize", "moses"], "--tokenize: unknown"),
+        (["--compound-split"], "--compound-split applies to --bleu tokenized"),
     ]
     for extra, needle in cases:
         code = main(["--model", str(text_export), "--data", str(data), "--quiet", *extra])
@@ -182,3 +228,19 @@ def test_evaluate_cli_errors(tmp_path, text_export, capsys):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     code = main(["--model", str(text_export), "--data", str(tmp_path / "none")])
     assert code == 2 and "manifest.json" in capsys.readouterr().err
+
+
+def test_evaluate_cli_tokenized_bleu(tmp_path, text_export, capsys):
+    data = make_data_dir(tmp_path)
+    out_json = tmp_path / "tok.json"
+    code = load_tool("evaluate").main(
+        ["--model", str(text_export), "--data", str(data), "--directions", "de-en",
+         "--bleu", "tokenized", "--compound-split", "--max-sentences", "3", "--beam", "1",
+         "--max-len-a", "0", "--max-len-b", "6", "--threads", "1", "--quiet",
+         "--json", str(out_json)]
+    )  # fmt: skip
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    sig = json.loads(out_json.read_text())["directions"]["de-en"]["signature"]
+    assert sig.startswith("moses-tok:en|compound-split:yes|nrefs:1|case:mixed|")
+    assert "moses + compound split" in stdout and f"signature: {sig}" in stdout
