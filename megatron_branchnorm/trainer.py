@@ -1197,11 +1197,14 @@ class Trainer:
 
     def _restore_patience(self) -> Patience:
         """Early stopping's state at the resumed step, from rank 0's read of metrics.jsonl
-        (broadcast: every rank must take the same decision)."""
+        (broadcast: every rank must take the same decision); nothing is read when it is off
+        or the run starts fresh."""
+        patience = Patience(self.cfg.train.patience)
+        if not patience.patience or not self.step:
+            return patience
         losses = [retention.valid_losses(self.save_dir) if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(losses, src=0)
-        patience = Patience(self.cfg.train.patience)
         patience.restore(losses[0], self.step)
         return patience
 

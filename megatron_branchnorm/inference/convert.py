@@ -30,6 +30,7 @@ from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.pipeline import pipe_to_flat_key
+from megatron_branchnorm.retention import BEST_FILE
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 BF16_OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -49,8 +50,6 @@ class ConvertError(ValueError):
 
 def best_tags(save_dir: Path) -> list[str]:
     """The checkpoints ``save_dir/best.json`` names, best first (train.keep_best)."""
-    from megatron_branchnorm.retention import BEST_FILE
-
     path = save_dir / BEST_FILE
     if not path.is_file():
         raise ConvertError(f"{path}: missing (the run did not track its best checkpoints: train.keep_best)")  # fmt: skip

@@ -54,7 +54,7 @@ def test_cuda_where_there_is_none_is_one_line(capsys):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("torch sees a CUDA device on this machine: --device cuda is valid here")
     assert gpu_check.main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch sees no CUDA device" in err[0]

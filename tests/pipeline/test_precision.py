@@ -92,6 +92,18 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _optimizer_state(path: Path) -> dict:
+    """A DeepSpeed optimizer file's state, unpickled with only the three DeepSpeed types
+    these files hold allowed (weights_only=True)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    return saved["optimizer_state_dict"]
+
+
 def _updates(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in _rows(run) if "loss" in r}
 
@@ -160,8 +172,7 @@ def test_bf16_export_holds_the_fp32_master_weights(bf16):
     assert rounded == 0  # ...but none of them is a bf16 value: not the layer files
     # read independently: the embedding in stage 0's optimizer file
     path = bf16 / "s2" / f"global_step{STEPS}" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    # our own test output (DeepSpeed's fragment_address records are pickled)
-    opt = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    opt = _optimizer_state(path)
     where = opt["param_slice_mappings"][0]["tied_modules.embed.embedding.weight"]
     flat = opt["single_partition_of_fp32_groups"][0][where.start : where.start + where.numel]
     assert torch.equal(flat.view_as(exported["embedding.weight"]), exported["embedding.weight"])
@@ -245,8 +256,7 @@ def test_fp16_overflow_skips_lower_the_scale_and_advance_nothing(fp16):
     tag = (fp16 / "full" / "latest").read_text()
     for stage in (0, 1):
         path = fp16 / "full" / tag / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt"
-        # our own test output; DeepSpeed pickles its config objects in it
-        state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        state = _optimizer_state(path)
         assert {int(s["step"]) for s in state["base_optimizer_state"]["state"].values()} == {4}
         assert state["loss_scaler"].cur_scale == applied[-1]["loss_scale"]
 
