@@ -140,7 +140,8 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
         install_engine_fixes,
         set_pipeline_step,
     )
-    from megatron_branchnorm.trainer import AdamW, load_ds_config
+    from megatron_branchnorm.training.ds_config import load_ds_config
+    from megatron_branchnorm.training.grad_norm import AdamW
 
     json_name = {"bf16": "zero1_bf16.json", "fp16": "zero1_fp16.json"}
     train = dataclasses.replace(
@@ -306,7 +307,7 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
     """Every check of the module docstring, as table rows; runs and logs go to ``work``."""
     import torch
 
-    from megatron_branchnorm.trainer import setup_process_env
+    from megatron_branchnorm.training.environment import setup_process_env
 
     setup_process_env()
     import deepspeed
@@ -319,9 +320,9 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
         torch.cuda.set_device(0)
     from deepspeed.accelerator import get_accelerator
 
-    from megatron_branchnorm.trainer import allow_fp16_on_cpu_for_tests
+    from megatron_branchnorm.training.ds_config import allow_fp16_on_cpu_for_tests
 
-    allow_fp16_on_cpu_for_tests()  # the test suite's emulation (trainer.FP16_ON_CPU_ENV)
+    allow_fp16_on_cpu_for_tests()  # the test suite's emulation (training.ds_config.FP16_ON_CPU_ENV)
     precisions = ["bf16"] + (["fp16"] if get_accelerator().is_fp16_supported() else [])
     rows = environment(device)
     if "fp16" not in precisions:

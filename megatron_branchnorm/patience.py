@@ -37,11 +37,3 @@ class Patience:
             f"no improvement of the validation loss in {self.since_best} validations "
             f"(train.patience={self.patience}; best {self.best:.4f} at step {self.best_step})"
         )
-
-
-def format_eta(seconds: float) -> str:
-    """``H:MM:SS``, with days in front past 24 hours (``3d 04:05:06``)."""
-    s = max(0, int(round(seconds)))
-    days, s = divmod(s, 86400)
-    text = f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
-    return f"{days}d {text}" if days else text

@@ -6,12 +6,12 @@ Used by ``tools/plot_training.py`` and by the demo (``megatron_branchnorm/demo.p
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from megatron_branchnorm.training.metrics import MetricsFileError
+from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
 
 # (metric key, panel title, log-scale y axis when the values span more than 20x)
 PANELS: tuple[tuple[str, str, bool], ...] = (
@@ -22,29 +22,14 @@ PANELS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
-class PlotError(ValueError):
-    """A run directory without usable metrics: a one-line message naming the file."""
+PlotError = MetricsFileError
+"""A run directory without usable metrics, or labels that do not match the runs: one line."""
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` (a resumed run's rows included, in file order)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise PlotError(f"{path}: missing (not a training run directory?)")
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise PlotError(f"{path}:{lineno}: not a JSON object") from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise PlotError(f"{path}:{lineno}: expected an object with a 'step' key")
-        rows.append(row)
-    if not rows:
-        raise PlotError(f"{path}: no rows")
-    return rows
+    """The rows of ``run_dir/metrics.jsonl``, strictly (a line that is not a row is an
+    error naming the file and line)."""
+    return read_run_metrics(run_dir, strict=True)
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

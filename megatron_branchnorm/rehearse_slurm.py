@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_branchnorm.local_slurm import FINAL_STATES, Cluster
-from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE
+from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parent.parent
 # the model shrunk in width only (depth, stages and topology stay the launcher's)

@@ -24,11 +24,11 @@ half-deleted checkpoint that still looks complete.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.training.metrics import valid_losses
 
 BEST_FILE = "best.json"
 REMOVING_PREFIX = ".removing-"
@@ -53,25 +53,6 @@ def checkpoints_to_remove(
     newest = max((ckpt.tag_step(t) or 0 for t in keep), default=0)
     stale = [t for t in incomplete if (ckpt.tag_step(t) or 0) < newest]
     return [t for t in complete if t not in keep] + stale
-
-
-def valid_losses(save_dir: Path) -> dict[int, float]:
-    """Validation loss by step from ``metrics.jsonl`` (the last row of a step wins; lines a
-    kill cut short are skipped)."""
-    out: dict[int, float] = {}
-    try:
-        lines = (save_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("valid_loss"), (int, float)):
-            if math.isfinite(row["valid_loss"]) and isinstance(row.get("step"), int):
-                out[row["step"]] = float(row["valid_loss"])
-    return out
 
 
 def best_checkpoints(

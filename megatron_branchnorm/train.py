@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _train(argv: list[str] | None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cfg = load_config(args.config, args.overrides)
-    from megatron_branchnorm.trainer import run
+    from megatron_branchnorm.training.trainer import run
 
     return run(cfg)
 
@@ -60,7 +60,7 @@ def _train(argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, build, run. Bad input (config, data, checkpoint, DeepSpeed JSON,
     save_dir, a full disk) is one line and exit 2 on every rank; Ctrl-C exits 130."""
-    from megatron_branchnorm.trainer import TrainError
+    from megatron_branchnorm.training.stopping import TrainError
 
     return run_main(_train, argv, errors=(ConfigError, CheckpointError, DataError, TrainError))
 

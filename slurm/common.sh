@@ -3,7 +3,7 @@
 #
 # One process per rank through `srun` (DESIGN.md §8: the `deepspeed` launcher swallows
 # SIGUSR1 and the requeue exit code). Each rank's RANK/WORLD_SIZE/LOCAL_RANK come from
-# SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (megatron_branchnorm.trainer.setup_process_env);
+# SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (megatron_branchnorm.training.environment.setup_process_env);
 # MASTER_ADDR is the job's first node, MASTER_PORT derives from the job id. On SIGUSR1 (sent
 # by `#SBATCH --signal=USR1@LEAD` or `scancel --signal=USR1 JOBID`) every rank checkpoints and
 # exits 75; the job then requeues itself and the next run resumes from SAVE_DIR/latest.
@@ -23,7 +23,7 @@
 #   MB_SIGNAL_LEAD the --signal lead in seconds, when --signal is given on the sbatch command
 #                  line (the job cannot see it; see mb_signal_lead)
 
-MB_REQUEUE_EXIT_CODE=75 # megatron_branchnorm.trainer.REQUEUE_EXIT_CODE
+MB_REQUEUE_EXIT_CODE=75 # megatron_branchnorm.training.exit_codes.REQUEUE_EXIT_CODE
 
 mb_log() {
     printf '[%s] %s\n' "$(date '+%F %T')" "$*"

@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_branchnorm.partition import partition_plan
     from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, set_pipeline_step
     from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
-    from megatron_branchnorm.trainer import set_thread_count, setup_process_env
+    from megatron_branchnorm.training.environment import set_thread_count, setup_process_env
 
     setup_process_env()
     set_thread_count()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
 from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402
-from megatron_branchnorm.trainer import SAVE_POINTS  # noqa: E402
+from megatron_branchnorm.training.faults import SAVE_POINTS  # noqa: E402
 from tests.faults.common import (  # noqa: E402
     kill_hard_when,
     last_by_step,

@@ -27,7 +27,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_branchnorm.config import load_config  # noqa: E402
-from megatron_branchnorm.trainer import FAULT_ENV, Trainer, setup_process_env  # noqa: E402
+from megatron_branchnorm.training.environment import setup_process_env  # noqa: E402
+from megatron_branchnorm.training.faults import FAULT_ENV  # noqa: E402
+from megatron_branchnorm.training.trainer import Trainer  # noqa: E402
 from tests.faults.common import (  # noqa: E402
     BASE,
     DP_RUN,

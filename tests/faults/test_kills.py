@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.trainer import FAULT_EXIT_CODE
+from megatron_branchnorm.training.exit_codes import FAULT_EXIT_CODE
 from tests.faults.common import assert_matches_reference
 from tests.faults.conftest import RESTARTED, SAVE_KILLS
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.patience import Patience, format_eta
+from megatron_branchnorm.patience import Patience
+from megatron_branchnorm.training.metrics import format_eta
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")

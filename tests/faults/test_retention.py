@@ -17,8 +17,8 @@ from megatron_branchnorm.retention import (
     apply_retention,
     best_checkpoints,
     checkpoints_to_remove,
-    valid_losses,
 )
+from megatron_branchnorm.training.metrics import valid_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")

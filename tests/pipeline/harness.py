@@ -30,7 +30,9 @@ from megatron_branchnorm.pipeline import (
     set_pipeline_step,
 )
 from megatron_branchnorm.synthetic import SyntheticData, collate
-from megatron_branchnorm.trainer import AdamW, Trainer, setup_process_env
+from megatron_branchnorm.training.environment import setup_process_env
+from megatron_branchnorm.training.grad_norm import AdamW
+from megatron_branchnorm.training.trainer import Trainer
 
 SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
 

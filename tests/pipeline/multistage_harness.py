@@ -26,7 +26,8 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_branchnorm.config import load_config  # noqa: E402
-from megatron_branchnorm.trainer import Trainer, setup_process_env  # noqa: E402
+from megatron_branchnorm.training.environment import setup_process_env  # noqa: E402
+from megatron_branchnorm.training.trainer import Trainer  # noqa: E402
 from tests.pipeline.harness import SCHEMES, parity  # noqa: E402
 from tests.pipeline.multistage import PARITY_LAYOUTS, RUNS, run_overrides  # noqa: E402
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_branchnorm import gpu_check
-from megatron_branchnorm.trainer import FP16_ON_CPU_ENV
+from megatron_branchnorm.training.ds_config import FP16_ON_CPU_ENV
 from tests.pipeline.conftest import ROOT
 
 pytestmark = pytest.mark.distributed

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE
+from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.faults.common import (
     assert_matches_reference,
     kill_hard_when,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megatron_branchnorm.config import ConfigError, load_config
-from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE, load_ds_config
+from megatron_branchnorm.training.ds_config import load_ds_config
+from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.pipeline.conftest import ROOT, launch_ranks
 
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")

@@ -6,7 +6,7 @@ accelerator: 2 and 4 stages against 1 stage, and an exact resume.
 
 fp16 cannot run on a CPU without fp16 kernels: there train.py refuses it with one line. The
 fp16 engine path (DeepSpeed's ZeRO-1 optimizer with dynamic loss scaling) runs here through
-the test-only emulation ``MBN_TEST_FP16_ON_CPU=1`` (trainer.FP16_ON_CPU_ENV; what it proves and
+the test-only emulation ``MBN_TEST_FP16_ON_CPU=1`` (training.ds_config.FP16_ON_CPU_ENV; what it proves and
 what it does not: docs/design.md §7).
 
 Tolerance, bf16 S stages vs 1 stage, per step: 1e-3 relative. Both compute every micro-batch
@@ -33,7 +33,7 @@ from megatron_branchnorm.inference.convert import (
     read_checkpoint,
     repartition_checkpoint,
 )
-from megatron_branchnorm.trainer import FP16_ON_CPU_ENV
+from megatron_branchnorm.training.ds_config import FP16_ON_CPU_ENV
 from tests.faults.common import wait_all
 from tests.pipeline.conftest import ROOT, launch_ranks
 
@@ -276,7 +276,7 @@ def test_fp16_emulation_is_test_only():
     """Without the variable the CPU accelerator keeps its own answer."""
     code = (
         "import os; os.environ.pop('MBN_TEST_FP16_ON_CPU', None)\n"
-        "from megatron_branchnorm.trainer import allow_fp16_on_cpu_for_tests\n"
+        "from megatron_branchnorm.training.ds_config import allow_fp16_on_cpu_for_tests\n"
         "from deepspeed.accelerator import get_accelerator\n"
         "import torch\n"
         "before = get_accelerator().is_fp16_supported()\n"

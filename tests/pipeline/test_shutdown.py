@@ -1,4 +1,4 @@
-"""The trainer ends its process group itself (trainer.run): left to the interpreter's exit,
+"""The trainer ends its process group itself (training.trainer.run): left to the interpreter's exit,
 gloo's threads sometimes abort the rank with "terminate called without an active exception"
 (exit -6 instead of 0 or 75)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_branchnorm import trainer as trainer_mod
 from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.training import trainer as trainer_mod
 
 
 class _FakeTrainer:

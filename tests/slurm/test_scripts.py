@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from megatron_branchnorm.config import load_config
-from megatron_branchnorm.trainer import REQUEUE_EXIT_CODE, load_ds_config
+from megatron_branchnorm.training.ds_config import load_ds_config
+from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import ROOT, apt_install
 
 SLURM = ROOT / "slurm"

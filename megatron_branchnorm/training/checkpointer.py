@@ -1,0 +1,363 @@
+"""Checkpoints of a run: save (``latest`` moves only once a checkpoint is complete), retention,
+and resume: the same layout exactly, or another stage layout layer by layer
+(docs/design.md §6; the on-disk format: megatron_branchnorm/checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm import resume_policy, retention
+from megatron_branchnorm.cli import describe_os_error, one_line
+from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
+from megatron_branchnorm.partition import spec_names
+from megatron_branchnorm.pipeline import pipe_to_flat_key
+from megatron_branchnorm.training.data import TrainStream
+from megatron_branchnorm.training.ds_config import precision_of
+from megatron_branchnorm.training.faults import Faults
+from megatron_branchnorm.training.stopping import agree_or_raise
+
+SPM_IN_CHECKPOINT = "spm.model"
+"""The training SentencePiece model's copy in every checkpoint tag directory."""
+
+
+def check_writable(save_dir: Path) -> None:
+    """Create ``save_dir`` and write a probe file there; a one-line error naming the key
+    otherwise (a file in the way, a read-only or full file system, permissions)."""
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        probe = f".write-probe-{socket.gethostname()}-{os.getpid()}-"
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=probe) as fh:
+            fh.write(b"x")
+            fh.flush()
+    except OSError as exc:
+        raise ConfigError(
+            f"config key train.save_dir: cannot write there: {describe_os_error(exc)}"
+        ) from None
+
+
+class Checkpointer:
+    """Saves and resumes this rank's part of the run: its DeepSpeed engine's files, its RNG
+    state, and (rank 0) the run's manifest, config and ``latest``."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        rank: int,
+        world: int,
+        *,
+        engine,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        stream: TrainStream,
+        parts: list[int],
+        ds_config: dict,
+        vocab: dict | None,
+        data_manifest_sha256: str | None,
+        faults: Faults,
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg = cfg
+        self.save_dir = Path(cfg.train.save_dir)
+        self.rank, self.world = rank, world
+        self.engine, self.module = engine, engine.module
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.stream = stream
+        self.parts = parts
+        self.ds_config = ds_config
+        self.vocab = vocab
+        self.data_manifest_sha256 = data_manifest_sha256
+        self.faults = faults
+        self.log = log
+        self.step = 0  # the training position a save records and a resume restores
+        self.samples = 0
+        self.save_error: str | None = None  # this rank's part of the save in progress failed
+        self.resumed_from: str | None = None
+        self.config_changes: dict[str, list] = {}
+
+    # ---- when -------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """A periodic save after update ``step`` (train.save_interval)."""
+        interval = self.cfg.train.save_interval
+        return bool(interval) and step % interval == 0
+
+    def save_if_missing(self, step: int, samples: int) -> None:
+        """The end of training: save unless the last update's checkpoint exists."""
+        if not (self.save_dir / ckpt.tag_for(step) / ckpt.MANIFEST).is_file():
+            self.save(step, samples)
+
+    # ---- save -------------------------------------------------------------------------------
+
+    def save(self, step: int, samples: int) -> None:
+        """Checkpoint at ``step`` (``samples`` sentence pairs drawn so far); ``latest`` moves only once it is complete.
+
+        A rank whose part of the save fails (a full disk, a quota) does not leave the others
+        waiting in a barrier: the failure is agreed on (:func:`agree_or_raise`) and every rank
+        raises the same one-line TrainError. The tag then has no manifest, so it is never
+        loaded, and ``latest`` still names the last complete checkpoint.
+        """
+        self.step, self.samples = step, samples
+        tag = ckpt.tag_for(step)
+        tag_dir = self.save_dir / tag
+        client = {
+            "step": step,
+            "samples": self.samples,
+            "sampler": self.stream.state_dict(),
+            "spec_names": spec_names(self.cfg.model),
+            "parts": self.parts,
+            "config": self.cfg.to_dict(),
+            "vocab": None
+            if self.vocab is None
+            else {k: self.vocab[k] for k in ("spm_sha256", "vocab_size")},
+            "data_manifest_sha256": self.data_manifest_sha256,
+            "precision": precision_of(self.ds_config),
+        }
+        t0 = time.time()
+        if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
+            shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
+        dist.barrier()
+        self._guard_checkpoint_engine()
+        self.save_error = None
+        self.engine.save_checkpoint(
+            str(self.save_dir), tag=tag, client_state=client, save_latest=False
+        )
+        self.faults.exit_in_save("after_engine", step)
+        if self.save_error is None:
+            rng_path = ckpt.rng_file(tag_dir, self.rank)
+            try:
+                torch.save(ckpt.rng_state(), rng_path)
+            except (OSError, RuntimeError) as exc:
+                self.save_error = self._describe_save_failure(exc, rng_path)
+        self.faults.exit_in_save("after_rng", step)
+        agree_or_raise(self.world, self.save_error)
+        error = None
+        if self.rank == 0:
+            try:
+                self.faults.fail_in("manifest", tag_dir)
+                if self.vocab is not None:
+                    shutil.copyfile(self.vocab["path"], tag_dir / SPM_IN_CHECKPOINT)
+                (tag_dir / "train_config.json").write_text(
+                    json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
+                )
+                self.faults.exit_in_save("after_config", step)
+                ckpt.write_manifest(tag_dir, step)
+                self.faults.exit_in_save("after_manifest", step)
+                ckpt.write_latest(self.save_dir, tag)
+            except OSError as exc:
+                error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+        agree_or_raise(self.world, error)
+        self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
+        self._retain()
+
+    def _retain(self) -> None:
+        """Checkpoint retention after a complete save (rank 0; every rank has finished
+        writing: the save ends in a collective). A failure to delete is a warning: the run
+        goes on, the next save tries again."""
+        t = self.cfg.train
+        if self.rank != 0 or not (t.keep_last or t.keep_best):
+            return
+        try:
+            _, line = retention.apply_retention(self.save_dir, t.keep_last, t.keep_best)
+        except OSError as exc:
+            line = f"warning: checkpoint retention failed: {describe_os_error(exc)}"
+        self.log(line)
+
+    def _describe_save_failure(self, exc: BaseException, path) -> str:
+        """One line for a failed checkpoint file: torch.save reports a full disk as a
+        RuntimeError from its zip writer ("unexpected pos ..."), so the free space is said."""
+        tag_dir = self.save_dir / ckpt.tag_for(self.step)
+        if isinstance(exc, OSError):
+            return f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+        try:
+            free = shutil.disk_usage(self.save_dir).free
+        except OSError:
+            free = None
+        why = one_line(str(exc), 200)
+        if free is not None and free < 1 << 20:
+            why = f"no space left on device ({free:,} bytes free; torch: {why})"
+        return f"checkpoint {tag_dir} not saved: {path}: write failed: {why}"
+
+    def _guard_checkpoint_engine(self) -> None:
+        """Wrap DeepSpeed's checkpoint engine's ``save`` (every file DeepSpeed writes): an
+        OSError (a full disk) is recorded in :attr:`save_error` instead of raised, and the
+        rank's remaining files are skipped, so DeepSpeed's own collectives in
+        ``save_checkpoint`` (tag validation, its final barrier) still match across ranks and
+        the failure is agreed on afterwards. Also the test-only faults ``save_exit@engine_file``
+        and ``enospc@engine``."""
+        engine = self.engine.checkpoint_engine
+        if getattr(engine, "_mbn_guarded", False):
+            return
+        save = engine.save
+
+        def guarded_save(*args, **kwargs):
+            if self.save_error is not None:
+                return None
+            try:
+                self.faults.fail_in("engine", self.save_dir / ckpt.tag_for(self.step))
+                out = save(*args, **kwargs)
+            except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a full disk
+                path = kwargs.get("path", args[1] if len(args) > 1 else None)
+                self.save_error = self._describe_save_failure(exc, path)
+                return None
+            self.faults.exit_in_save("engine_file", self.step)
+            return out
+
+        engine.save, engine._mbn_guarded = guarded_save, True
+
+    # ---- resume -----------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Resume from the newest complete checkpoint (``latest``, or a complete one newer than
+        it), verified against its checksums; an unreadable ``latest`` is an error. Sets
+        :attr:`step` and :attr:`samples`; nothing changes when there is no checkpoint."""
+        tag, notes = ckpt.resume_tag(self.save_dir)
+        for note in notes:
+            self.log(f"warning: {note}")
+        if tag is None:
+            return
+        tag_dir = self.save_dir / tag
+        ckpt.verify_checkpoint(tag_dir)
+        saved = json.loads((tag_dir / "train_config.json").read_text(encoding="utf-8"))
+        self.resumed_from = tag
+        self.config_changes = self._check_resume_config(tag_dir, saved)
+        if saved["parts"] != self.parts or saved.get("repartitioned"):
+            self._resume_other_layout(tag_dir, saved)
+            return
+        old_precision = saved.get("precision")
+        if old_precision is not None and old_precision != precision_of(self.ds_config):
+            raise ConfigError(
+                f"config key train.deepspeed_config: {self.cfg.train.deepspeed_config} trains in "
+                f"{precision_of(self.ds_config)}, the checkpoint {tag_dir} in {old_precision}: "
+                "DeepSpeed's optimizer state differs between them; use a DeepSpeed JSON with the "
+                "checkpoint's precision and ZeRO stage"
+            )
+        load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
+        if load_path is None:
+            raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
+        self.step = int(client["step"])
+        self.samples = int(client["samples"])
+        self.stream.load_state_dict(client["sampler"])
+        rng_path = ckpt.rng_file(tag_dir, self.rank)
+        if rng_path.is_file():
+            ckpt.set_rng_state(torch.load(rng_path, weights_only=True))
+        else:
+            self.log(f"warning: {rng_path} missing (different world size): RNG not restored")
+        if self.scheduler.last_epoch != self.step:
+            raise ckpt.CheckpointError(
+                f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.step}"
+            )
+        self._apply_optimizer_config()
+        self.log(f"resumed from {tag_dir} at step {self.step}")
+
+    def _check_resume_config(self, tag_dir: Path, saved: dict) -> dict:
+        """The checks a resume makes against the checkpoint: first the vocabulary (the data's
+        SentencePiece model must be the one the checkpoint was trained with: its sha256 in
+        ``train_config.json``), then the config, key by key (module resume_policy: a fixed
+        key that differs is an error). Returns the allowed changes."""
+        if "vocab" not in saved:
+            self.log(
+                f"warning: {tag_dir} predates vocabulary checks: the SentencePiece model of "
+                f"{self.cfg.data.dataset} cannot be checked against it"
+            )
+        else:
+            old = (saved["vocab"] or {}).get("spm_sha256")
+            new = (self.vocab or {}).get("spm_sha256")
+            if old != new:
+                mine = self.vocab["path"] if self.vocab else "synthetic data (no vocabulary)"
+                theirs = f"{tag_dir / SPM_IN_CHECKPOINT}" if old else "synthetic data"
+                raise ConfigError(
+                    f"config key data.dataset: {mine} is not the vocabulary the checkpoint was "
+                    f"trained with ({theirs}; sha256 {str(old)[:12]} vs {str(new)[:12]}); "
+                    "resume with the checkpoint's data or use a new train.save_dir"
+                )
+        same_data = (
+            self.data_manifest_sha256 is not None
+            and saved.get("data_manifest_sha256") == self.data_manifest_sha256
+        )
+        try:
+            return resume_policy.check_resume(
+                saved["config"], self.cfg.to_dict(), str(tag_dir), same_data
+            )
+        except resume_policy.ResumeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _apply_optimizer_config(self) -> None:
+        """This run's learning rate and Adam settings over the restored optimizer and
+        scheduler state (which carry the values of the run that saved them): the keys that
+        resume_policy lets change take effect."""
+        t = self.cfg.train
+        factor = inverse_sqrt_factor(self.cfg)
+        self.scheduler.base_lrs = [t.lr for _ in self.scheduler.base_lrs]
+        self.scheduler.lr_lambdas = [factor for _ in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = t.lr
+            group["lr"] = t.lr * factor(self.step)
+            group["betas"] = (t.adam_beta1, t.adam_beta2)
+            group["eps"] = t.adam_eps
+            group["weight_decay"] = t.weight_decay
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _resume_other_layout(self, tag_dir: Path, saved: dict) -> None:
+        """Resume a checkpoint written with another stage layout: weights layer by layer
+        (layer files are named by their index in the layer list, not by stage), step, data
+        position; the optimizer state starts fresh (a warning says so) and the LR schedule
+        continues from the step."""
+        from megatron_branchnorm.inference.convert import read_checkpoint
+
+        # Only this stage's layer files, and entry 0 (the tied embedding is saved there): a
+        # rank of a 1000-layer model must not load the whole model to keep 1/16 of it.
+        stage = self.engine.stage_id
+        mine = set(range(self.parts[stage], self.parts[stage + 1])) | {0}
+        _, flat = read_checkpoint(tag_dir, verify=False, indices=mine)  # resume verified it
+        names = spec_names(self.cfg.model)
+        state = {}
+        for key in self.module.state_dict():
+            if key.startswith("tied_modules.embed."):
+                flat_key = key.removeprefix("tied_modules.embed.")
+            else:
+                idx, local = key.split(".", 1)
+                flat_key = pipe_to_flat_key(names[int(idx)], local)
+            if flat_key not in flat:
+                raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
+            state[key] = flat[flat_key]
+        self.module.load_state_dict(state, strict=True)
+        self.step = int(saved["step"])
+        self.samples = int(saved["samples"])
+        self.stream.load_state_dict(saved["sampler"])
+        self.scheduler.last_epoch = self.step
+        self._apply_optimizer_config()
+        self.log(
+            f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
+            f"{self.parts}: weights loaded layer by layer at step {self.step}; optimizer state "
+            "(Adam moments) and RNG states start fresh"
+        )
+
+    def record_start(self) -> None:
+        """Rank 0 writes the run's config.yaml and appends to its resume history; the
+        config changes a resume allowed are logged. Collective: a failure is every rank's."""
+        error = None
+        if self.rank == 0:
+            from megatron_branchnorm.config import dump_config
+
+            for key, (old, new) in self.config_changes.items():
+                self.log(f"config key {key} changed on resume: {old!r} -> {new!r}")
+            try:
+                dump_config(self.cfg, self.save_dir / "config.yaml")
+                resume_policy.append_history(
+                    self.save_dir, self.step, self.resumed_from, self.config_changes
+                )
+            except OSError as exc:
+                error = f"cannot write the run's config: {describe_os_error(exc)}"
+        agree_or_raise(self.world, error)

@@ -1,0 +1,138 @@
+"""When a run stops early, agreed by all ranks: a stop signal (SIGUSR1/SIGTERM, recorded by
+:mod:`megatron_branchnorm.stop_signals`) on any rank, the wall-clock budget, or an error of
+one rank alone (a full disk under metrics.jsonl). Every rank takes the same decision after
+the same update, so no rank waits for another in a collective (docs/design.md §3, §6.4)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_branchnorm import stop_signals
+
+
+class TrainError(RuntimeError):
+    """A failure every rank reports the same way (one line, exit 2): a full disk during a
+    save, a save_dir held by another run."""
+
+
+def agree_or_raise(world: int, error: str | None) -> None:
+    """Collective: raise :class:`TrainError` on every rank when any rank has an error
+    (each rank passes its own, or None), with the first failing rank's message."""
+    errors = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, msg = failed[0]
+        where = f" (rank {rank})" if world > 1 else ""
+        raise TrainError(f"{msg}{where}")
+
+
+class Stopper:
+    """The stop decision after each update (:meth:`check`) and before the first
+    (:meth:`signalled_before_start`). ``local_error`` returns this rank's own error or None."""
+
+    def __init__(
+        self, world: int, max_time_minutes: float, local_error: Callable[[], str | None]
+    ) -> None:
+        self.world = world
+        self.budget_min = max_time_minutes
+        self.local_error = local_error
+        self.start = time.time()
+
+    def start_clock(self) -> None:
+        """The time budget counts from here (after start-up and the resume)."""
+        self.start = time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def _agree(self, time_up: bool) -> tuple[bool, bool]:
+        """(a stop signal reached some rank, the time budget is spent), agreed by all ranks;
+        a rank's own error makes every rank raise it."""
+        error = self.local_error()
+        flags = torch.tensor(
+            [float(stop_signals.received() != 0), float(time_up), float(error is not None)]
+        )
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[2]:
+            agree_or_raise(self.world, error)
+        return bool(flags[0]), bool(flags[1])
+
+    def signalled_before_start(self) -> bool:
+        """A signal came while the ranks were starting (it is forgotten: nothing was trained
+        since the checkpoint the run resumed from, so there is nothing to save)."""
+        if self._agree(False)[0]:
+            stop_signals.clear()
+            return True
+        return False
+
+    def check(self) -> str | None:
+        """After an update: ``"signal"``, ``"time"`` or None (train on)."""
+        time_up = bool(self.budget_min) and self.elapsed() >= self.budget_min * 60
+        signalled, time_up = self._agree(time_up)
+        if signalled:
+            stop_signals.clear()
+            return "signal"
+        return "time" if time_up else None
+
+
+class NonfiniteSkips:
+    """Updates skipped for a non-finite gradient norm: each is a metrics row and a console
+    line; in fp32, train.max_consecutive_skips in a row stop the run (exit
+    NONFINITE_EXIT_CODE, no save). In fp16 DeepSpeed's loss scaler lowers the scale and
+    retries, so skips never stop the run."""
+
+    def __init__(self, limit: int, fp32: bool, save_dir, metrics, is_logger: bool) -> None:
+        self.limit, self.fp32, self.save_dir = limit, fp32, save_dir
+        self.metrics, self.is_logger = metrics, is_logger
+        self.total = 0
+        self.consecutive = 0
+
+    def applied(self) -> None:
+        self.consecutive = 0
+
+    def record(self, t: int, step: int, where, loss_scale: float, ids_hash: str) -> bool:
+        """Update ``t`` was skipped at ``step``; ``where`` is (stage, module) of the first
+        non-finite gradient when known. True when the run must stop."""
+        from megatron_branchnorm import checkpoint as ckpt
+
+        self.total += 1
+        self.consecutive += 1
+        stage, module = where if where else (None, None)
+        self.metrics.write(
+            {
+                "step": step,
+                "skipped": True,
+                "update": t,
+                "consecutive_skips": self.consecutive,
+                "skipped_steps": self.total,
+                "first_nonfinite_stage": stage,
+                "first_nonfinite_module": module,
+                "loss_scale": loss_scale,  # after the skip: fp16 lowered it
+                "ids_hash": ids_hash,
+            }
+        )
+        what = f"first non-finite gradient in {module} (stage {stage})" if where else "overflow"
+        self.metrics.log(
+            f"update {t} skipped at step {step}: non-finite gradient norm; {what}; "
+            f"{self.consecutive} consecutive, {self.total} in total"
+        )
+        if not self.fp32 or self.consecutive < self.limit:
+            return False
+        latest = ckpt.read_latest(self.save_dir)
+        msg = (
+            f"error: stopping: {self.consecutive} consecutive updates with a non-finite gradient "
+            f"norm (train.max_consecutive_skips={self.limit}) at step {step}; {what}; the last "
+            f"good checkpoint is {self.save_dir / latest if latest else 'none'}"
+        )
+        if self.is_logger:
+            print(msg, file=sys.stderr, flush=True)
+        return True

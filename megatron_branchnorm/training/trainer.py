@@ -1,0 +1,327 @@
+"""The training loop on DeepSpeed's pipeline engine (docs/design.md §1).
+
+One code path for every topology: a single process is a 1-stage pipeline. Each update:
+
+1. every rank draws the update's ``micro_batches x dp`` micro-batches from one global,
+   seed-determined stream and keeps its data-parallel share; the global target-token count N
+   is known to all ranks;
+2. every stage sets BranchNorm's alpha_t for t = applied updates + 1 (a Python float);
+3. ``engine.train_batch()``; the loss is normalised per target token of the whole update;
+4. the parts that are due: the metrics row, validation (and early stopping), the collective
+   stop check (a signal: save, exit REQUEUE_EXIT_CODE; the time budget: save, exit 0), the
+   periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron_branchnorm import stop_signals
+from megatron_branchnorm.cli import describe_os_error, one_line
+from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
+from megatron_branchnorm.model.residual import describe_layernorm
+from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
+from megatron_branchnorm.pipeline import (
+    PipeLoss,
+    build_pipeline_module,
+    install_engine_fixes,
+    set_pipeline_step,
+)
+from megatron_branchnorm.run_lock import LockError, RunLock
+from megatron_branchnorm.training import ds_config as dsc
+from megatron_branchnorm.training import environment as env
+from megatron_branchnorm.training.checkpointer import Checkpointer, check_writable
+from megatron_branchnorm.training.data import (
+    TrainStream,
+    as_engine_items,
+    resolve_vocab,
+    vocab_identity,
+)
+from megatron_branchnorm.training.exit_codes import DONE, NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
+from megatron_branchnorm.training.faults import Faults
+from megatron_branchnorm.training.grad_norm import AdamW, install_fp32_grad_norm
+from megatron_branchnorm.training.metrics import MetricsLog, Progress
+from megatron_branchnorm.training.stopping import (
+    NonfiniteSkips,
+    Stopper,
+    TrainError,
+    agree_or_raise,
+)
+from megatron_branchnorm.training.validation import Validator, reduce_loss_sums
+
+
+class Trainer:
+    """Builds the stage of this rank, resumes if ``save_dir`` has a checkpoint, trains."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        stop_signals.install()  # train.py installs it first thing; a Trainer built in-process too
+        env.setup_process_env()
+        self.threads = env.set_thread_count()
+        world = int(os.environ["WORLD_SIZE"])
+        stages = cfg.pipeline.stages
+        if world % stages:
+            raise ConfigError(
+                f"config key pipeline.stages: {stages} does not divide the world size {world}"
+            )
+        self.dp = world // stages
+        self.cfg = cfg = resolve_vocab(cfg)
+        self.ds_config = dsc.load_ds_config(cfg, self.dp)
+        dsc.allow_fp16_on_cpu_for_tests()
+        dsc.check_precision_supported(self.ds_config, cfg.train.deepspeed_config)
+        self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
+        self.save_dir = Path(cfg.train.save_dir)
+        self.faults = Faults(rank=int(os.environ["RANK"]))
+        self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
+        check_writable(self.save_dir)  # every rank, before any collective: all fail alike
+
+        self.rank, self.world = env.init_process_group(cfg.train.collective_timeout_s)
+        self.faults.rank = self.rank
+        self.metrics = MetricsLog(
+            self.save_dir,
+            is_logger=self.rank == 0,
+            fail_hook=lambda path: self.faults.fail_in("metrics", path, "fault injection"),
+        )
+        self.lock: RunLock | None = None
+        self._take_lock()
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lock(self) -> None:
+        """Rank 0 takes ``SAVE_DIR/run.lock`` (module run_lock); every rank learns the
+        outcome, so a refused start exits 2 on every rank with the same line."""
+        error = None
+        if self.rank == 0:
+            lock = RunLock(self.save_dir)
+            try:
+                lock.acquire()
+                self.lock = lock
+                for warning in lock.warnings:
+                    print(f"warning: {warning}", flush=True)
+            except (LockError, OSError) as exc:
+                error = str(exc) if isinstance(exc, LockError) else describe_os_error(exc)
+        agree_or_raise(self.world, error)
+
+    def close(self) -> None:
+        """Release the save_dir's lock (rank 0) and the TensorBoard writer."""
+        self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _build(self, cfg: ExperimentConfig) -> None:
+        """The stage's module, DeepSpeed's engine, the data and the parts of the loop."""
+        torch.manual_seed(cfg.train.seed + self.rank)
+        self.loss_fn = PipeLoss(cfg.train.label_smoothing)
+        module = build_pipeline_module(
+            cfg.model,
+            self.parts,
+            cfg.train.seed,
+            self.loss_fn,
+            cfg.pipeline.activation_checkpoint_interval,
+        )
+        self.fp32 = not (
+            self.ds_config.get("fp16", {}).get("enabled")
+            or self.ds_config.get("bf16", {}).get("enabled")
+        )
+        t = cfg.train
+        optimizer = AdamW(
+            [p for p in module.parameters() if p.requires_grad],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+            fused=True,  # one kernel per parameter, CPU or CUDA (7x the for-loop: docs/performance.md)
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_factor(cfg))
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+            )
+        except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError included
+            raise ConfigError(
+                f"config key train.deepspeed_config: {cfg.train.deepspeed_config}: DeepSpeed "
+                f"rejects it: {one_line(str(exc), 300)}"
+            ) from None
+        install_engine_fixes(self.engine)
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self.stage_id = self.engine.stage_id
+        dp_id = self.engine.grid.data_parallel_id
+        if self.fp32:
+            install_fp32_grad_norm(
+                self.engine,
+                module,
+                optimizer,
+                spec_names(cfg.model),
+                lambda: self.faults.inject_inf_grad(module, self.stage_id, self.engine.num_stages),
+            )
+        self.stream = TrainStream(cfg, self.dp, dp_id)
+        self.step = 0
+        self.samples = 0
+        self.ids_hash = ""
+        self.checkpointer = Checkpointer(
+            cfg,
+            self.rank,
+            self.world,
+            engine=self.engine,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            stream=self.stream,
+            parts=self.parts,
+            ds_config=self.ds_config,
+            vocab=self.vocab,
+            data_manifest_sha256=self.data_manifest_sha256,
+            faults=self.faults,
+            log=self.metrics.log,
+        )
+        self.validator = Validator(
+            cfg, self.engine, self.loss_fn, self.world, self.dp, dp_id, self.metrics
+        )
+        self.progress = Progress(self.metrics, t.log_interval, t.max_steps, t.max_time_minutes)
+        self.stopper = Stopper(self.world, t.max_time_minutes, lambda: self.metrics.error)
+        self.skips = NonfiniteSkips(
+            t.max_consecutive_skips, self.fp32, self.save_dir, self.metrics, self.rank == 0
+        )
+
+    def train(self) -> int:
+        """Run to train.max_steps (or the time budget, or a signal, or early stopping);
+        returns the exit code. The save_dir's lock is released however it ends."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> int:
+        max_steps = self.cfg.train.max_steps
+        self._start()
+        if self.stopper.signalled_before_start():
+            self.metrics.log(
+                f"signal received before the first update (step {self.step}): nothing new to "
+                f"save, exiting {REQUEUE_EXIT_CODE}"
+            )
+            dist.barrier()
+            return REQUEUE_EXIT_CODE
+        exit_code = DONE
+        while self.step < max_steps:
+            t = self.step + 1
+            applied = self._update(t)
+            if not applied and self.skips.record(
+                t, self.step, self._nonfinite_at(), self._loss_scale(), self.ids_hash
+            ):
+                exit_code = NONFINITE_EXIT_CODE
+                break
+            if applied and self.progress.due(self.step):
+                self._write_progress()
+            if applied and self.validator.due(self.step) and self.validator.run(self.step):
+                self.checkpointer.save(self.step, self.samples)
+                self.validator.record_early_stop(self.step)
+                break
+            stop = self.stopper.check()
+            if stop is not None:
+                self.checkpointer.save(self.step, self.samples)
+                exit_code = self._log_stop(stop)
+                break
+            if applied and self.checkpointer.due(self.step):
+                self.checkpointer.save(self.step, self.samples)
+        else:
+            self.checkpointer.save_if_missing(self.step, self.samples)
+        dist.barrier()
+        return exit_code
+
+    def _update(self, t: int) -> bool:
+        """Update ``t``: its batches, alpha_t, one ``train_batch``; True when applied (False:
+        skipped for a non-finite gradient norm)."""
+        self.alpha = set_pipeline_step(self.module, self.cfg.model, t)
+        nan_loss = self.faults.before_update(t)
+        update = self.stream.next_update()
+        self.samples += update.samples
+        self.ids_hash = update.ids_hash
+        self.loss_fn.reset()
+        self.loss_fn.scale = self.cfg.train.micro_batches * self.dp / max(update.target_tokens, 1)
+        if nan_loss:
+            self.loss_fn.scale = float("nan")
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        self.engine.train_batch(data_iter=as_engine_items(update.mine, self.engine.device))
+        self.loss_sums = reduce_loss_sums(self.loss_fn, self.world)
+        if not self.engine.was_step_applied():
+            return False
+        self.step += 1
+        self.progress.count(update.all_tokens)
+        self.skips.applied()
+        return True
+
+    def _start(self) -> None:
+        """Resume (when save_dir has a checkpoint), record the run's config, say what runs."""
+        cfg = self.cfg
+        self.checkpointer.resume()
+        self.step, self.samples = self.checkpointer.step, self.checkpointer.samples
+        self.checkpointer.record_start()
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.metrics.log(
+            f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
+            f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
+        )
+        self.metrics.log(describe_plan(cfg.model, self.parts))
+        self.progress.start(self.step)
+        self.stopper.start_clock()
+        self.validator.restore_patience(self.step, self.rank, self.save_dir)
+
+    def _write_progress(self) -> None:
+        loss_sum, nll_sum, count = self.loss_sums
+        gn = self.engine.get_global_grad_norm()
+        self.progress.write(
+            self.step,
+            loss=loss_sum / max(count, 1),
+            nll=nll_sum / max(count, 1),
+            lr=self.lr,
+            grad_norm=None if gn is None else float(gn),
+            alpha=self.alpha,
+            loss_scale=self._loss_scale(),
+            samples=self.samples,
+            ids_hash=self.ids_hash,
+            skipped_steps=self.skips.total,
+            memory_mb=env.peak_memory_mb(),
+        )
+
+    def _log_stop(self, why: str) -> int:
+        if why == "signal":
+            self.metrics.log(f"signal received: checkpoint saved, exiting {REQUEUE_EXIT_CODE}")
+            return REQUEUE_EXIT_CODE
+        budget = self.cfg.train.max_time_minutes
+        self.metrics.log(f"time budget of {budget} min reached at step {self.step}")
+        return DONE
+
+    def _nonfinite_at(self) -> tuple[int, str] | None:
+        return getattr(self.optimizer, "nonfinite_at", None) if self.fp32 else None
+
+    def _loss_scale(self) -> float:
+        """fp16's dynamic loss scale (DeepSpeed's optimizer); 1.0 in fp32 and bf16."""
+        return 1.0 if self.fp32 else float(getattr(self.engine.optimizer, "cur_scale", 1.0))
+
+
+def run(cfg: ExperimentConfig) -> int:
+    """Train with ``cfg``; returns the process exit code.
+
+    The process group is destroyed when the ranks end together (done, stopped by a signal, or
+    an error they agreed on): left to the interpreter's exit, gloo's worker threads are torn
+    down after Python and a rank sometimes aborts with "terminate called without an active
+    exception" (SIGABRT: exit 0 or 75 became -6; seen in the demo test, pytorch#190489).
+    After an error of one rank alone the others may still be in a collective, so it is left.
+    """
+    try:
+        code = Trainer(cfg).train()
+    except TrainError:
+        env.destroy_process_group()
+        raise
+    env.destroy_process_group()
+    sys.stdout.flush()
+    return code
