@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Architecture of the encoder-decoder (DESIGN.md §1-§2)."""
+    """Architecture of the encoder-decoder (docs/design.md §11)."""
 
     encoder_layers: int = 6
     """Number of encoder layers N."""
@@ -81,7 +81,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from (DESIGN.md §3)."""
+    """Where batches come from (docs/design.md §10)."""
 
     dataset: str = "synthetic"
     """A preprocessed DATA_DIR (tools/preprocess_data.py) or "synthetic"."""
@@ -97,7 +97,7 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    """DeepSpeed pipeline parallelism (DESIGN.md §2, §8)."""
+    """DeepSpeed pipeline parallelism (docs/design.md §1, §12)."""
 
     stages: int = 1
     """Pipeline stages; data-parallel size is world_size / stages."""
@@ -109,7 +109,7 @@ class PipelineConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation, logging and checkpointing (DESIGN.md §4)."""
+    """Optimisation, logging and checkpointing (docs/design.md §8, §10)."""
 
     max_steps: int = 100000
     """Number of optimizer updates."""

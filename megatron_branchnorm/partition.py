@@ -1,7 +1,9 @@
 """The pipeline layer list and its partition into stages: pure functions, no model is built.
 
-The spec list (DESIGN.md §2) is a file format: DeepSpeed names checkpoint files by the
-index in it, so its shape never depends on the residual scheme.
+The spec list (docs/design.md §1) is a file format: DeepSpeed names checkpoint files by the
+index in it, so its shape never depends on the residual scheme. The maps from a layer file's
+(or an engine parameter's) key to the flat model's key live here too, so the converter needs
+no DeepSpeed.
 
     index   0        1..N        N+1        N+2         N+3..N+M+2   N+M+3       N+M+4
     entry   embed    enc_1..N    enc_final  dec_embed   dec_1..M     dec_final   output(+loss)
@@ -51,6 +53,31 @@ def spec_entries(cfg: ModelConfig) -> list[SpecEntry]:
 def spec_names(cfg: ModelConfig) -> dict[int, str]:
     """Index in the pipeline layer list -> flat-model module name (for the converter)."""
     return {e.index: e.name for e in spec_entries(cfg)}
+
+
+TIED_KEY = "embed"
+"""DeepSpeed's tie key of the shared embedding: the embed, dec_embed and output entries hold
+one matrix, and the engine names its parameters ``tied_modules.embed.<local key>``."""
+TIED_PREFIX = f"tied_modules.{TIED_KEY}."
+
+
+def pipe_to_flat_key(entry_name: str, local_key: str) -> str:
+    """Flat-model state-dict key of ``local_key`` in the layer file of entry ``entry_name``."""
+    if entry_name == "embedding":
+        return local_key  # "embedding.weight"
+    if entry_name in ("encoder_final_norm", "decoder_final_norm"):
+        return f"{entry_name}.{local_key.removeprefix('norm.')}"
+    return f"{entry_name}.{local_key}"
+
+
+def engine_param_to_flat_key(param_name: str, names: dict[int, str]) -> str:
+    """Flat-model key of a pipeline engine's parameter name: ``tied_modules.embed.<key>`` (the
+    shared embedding) or ``<index>.<local key>``, ``names`` being :func:`spec_names`.
+    KeyError when the index is not in ``names``."""
+    if param_name.startswith(TIED_PREFIX):
+        return param_name.removeprefix(TIED_PREFIX)
+    idx, local = param_name.split(".", 1)
+    return pipe_to_flat_key(names[int(idx)], local)
 
 
 def entry_costs(cfg: ModelConfig) -> list[float]:

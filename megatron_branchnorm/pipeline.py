@@ -1,7 +1,7 @@
 """The encoder-decoder as a DeepSpeed PipelineModule, built from the flat model's layer classes.
 
-What crosses a stage boundary (DESIGN.md §8: every float tensor received gets requires_grad
-and must get a gradient back; ids and masks travel as integer tensors):
+What crosses a stage boundary (docs/design.md §1: every float tensor received gets
+requires_grad and must get a gradient back; ids and masks travel as integer tensors):
 
     embed, enc_i, enc_final:   (x_enc (B,S,C) float, src_tokens (B,S) long, prev_tokens (B,T) long)
     dec_embed, dec_j (j < M):  (x_dec (B,T,C) float, memory (B,S,C) float, src_tokens long)
@@ -29,14 +29,11 @@ from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
-from megatron_branchnorm.model.residual import (
-    Residual,
-    Scheme,
-    branchnorm_alpha,
-    residual_constants,
-    stack_final_norm,
-)
-from megatron_branchnorm.partition import spec_entries
+from megatron_branchnorm.model.residual import set_branch_scale, stack_constants, stack_final_norm
+from megatron_branchnorm.partition import TIED_KEY, spec_entries
+
+# re-exported for trainer.py only, until it imports the map from partition.py
+from megatron_branchnorm.partition import pipe_to_flat_key as pipe_to_flat_key
 from megatron_branchnorm.tokens import PAD_ID
 
 
@@ -93,8 +90,10 @@ class DecoderLayerPipe(DecoderLayer):
     """A DecoderLayer on (x, memory, src); the last one returns x alone, so memory's gradient
     is complete on the stage of its last user."""
 
-    def __init__(self, cfg: ModelConfig, alpha: float, beta: float, seed: int, index: int) -> None:
-        super().__init__(cfg, alpha, beta, seed, index)
+    def __init__(
+        self, cfg: ModelConfig, deepnorm_alpha: float, beta: float, seed: int, index: int
+    ) -> None:
+        super().__init__(cfg, deepnorm_alpha, beta, seed, index)
         self.is_last = index == cfg.decoder_layers - 1
 
     def forward(self, inputs: tuple[torch.Tensor, ...]):
@@ -106,48 +105,36 @@ class DecoderLayerPipe(DecoderLayer):
 CHECKPOINTABLE = ["EncoderLayerPipe", "DecoderLayerPipe"]
 
 
+def _shared_embedding(cfg: ModelConfig, seed: int, forward_fn=None) -> TiedLayerSpec:
+    """An entry holding the tied embedding; ``forward_fn`` picks its role (None: the encoder
+    input, :func:`decoder_embed_fn`, :func:`output_fn`)."""
+    return TiedLayerSpec(
+        TIED_KEY,
+        SharedEmbeddingPipe,
+        cfg,
+        seed,
+        forward_fn=forward_fn,
+        tied_weight_attr=["embedding.weight"],
+    )
+
+
 def layer_specs(cfg: ModelConfig, seed: int) -> list:
     """The DeepSpeed layer list; each entry is built only on the stage that owns it."""
-    consts = residual_constants(
-        cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
-    )
-    (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
+    (a_enc, b_enc), (a_dec, b_dec) = stack_constants(cfg)
     specs = []
     for entry in spec_entries(cfg):
         if entry.kind == "embed":
-            specs.append(
-                TiedLayerSpec(
-                    "embed", SharedEmbeddingPipe, cfg, seed, tied_weight_attr=["embedding.weight"]
-                )
-            )
+            specs.append(_shared_embedding(cfg, seed))
         elif entry.kind == "enc":
             specs.append(LayerSpec(EncoderLayerPipe, cfg, a_enc, b_enc, seed, entry.layer))
         elif entry.kind in ("enc_final", "dec_final"):
             specs.append(LayerSpec(FinalNormPipe, cfg))
         elif entry.kind == "dec_embed":
-            specs.append(
-                TiedLayerSpec(
-                    "embed",
-                    SharedEmbeddingPipe,
-                    cfg,
-                    seed,
-                    forward_fn=decoder_embed_fn,
-                    tied_weight_attr=["embedding.weight"],
-                )
-            )
+            specs.append(_shared_embedding(cfg, seed, decoder_embed_fn))
         elif entry.kind == "dec":
             specs.append(LayerSpec(DecoderLayerPipe, cfg, a_dec, b_dec, seed, entry.layer))
         else:  # output
-            specs.append(
-                TiedLayerSpec(
-                    "embed",
-                    SharedEmbeddingPipe,
-                    cfg,
-                    seed,
-                    forward_fn=output_fn,
-                    tied_weight_attr=["embedding.weight"],
-                )
-            )
+            specs.append(_shared_embedding(cfg, seed, output_fn))
     return specs
 
 
@@ -246,22 +233,7 @@ def build_pipeline_module(
 
 def set_pipeline_step(module: nn.Module, cfg: ModelConfig, step: int) -> float:
     """Set BranchNorm's alpha_t for update ``step`` on this stage's residual blocks."""
-    alpha = 1.0
-    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
-        alpha = branchnorm_alpha(step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
-    for block in module.modules():
-        if isinstance(block, Residual):
-            block.branch_scale = alpha
-    return alpha
-
-
-def pipe_to_flat_key(entry_name: str, local_key: str) -> str:
-    """Flat-model state-dict key of ``local_key`` in the layer file of entry ``entry_name``."""
-    if entry_name == "embedding":
-        return local_key  # "embedding.weight"
-    if entry_name in ("encoder_final_norm", "decoder_final_norm"):
-        return f"{entry_name}.{local_key.removeprefix('norm.')}"
-    return f"{entry_name}.{local_key}"
+    return set_branch_scale(module, cfg, step)
 
 
 _DS_BACKWARD = PipelineEngine._INSTRUCTION_MAP[schedule.BackwardPass]

@@ -29,14 +29,17 @@ from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.model import EncoderDecoder, build_model
-from megatron_branchnorm.pipeline import pipe_to_flat_key
+from megatron_branchnorm.partition import (
+    engine_param_to_flat_key,
+    partition_plan,
+    pipe_to_flat_key,
+)
 from megatron_branchnorm.retention import BEST_FILE
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 BF16_OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 """DeepSpeed's BF16 optimizer state of one (data-parallel rank, stage): a flat fp32 partition
 of the stage's parameters per group and, per group, where each parameter lies in it."""
-TIED_PREFIX = "tied_modules.embed."
 SPM_IN_CHECKPOINT = "spm.model"
 """The training SentencePiece model's copy in a checkpoint tag (written by the trainer)."""
 DATA_MANIFEST = "manifest.json"
@@ -221,13 +224,11 @@ def read_master_weights(tag_dir: Path, names: dict[int, str]) -> dict[str, torch
                     f"{path}: cannot read bf16 master weights: {one_line(str(exc), 300)}"
                 ) from None
         for name, parts in pieces.items():
-            if name.startswith(TIED_PREFIX):
-                key = name.removeprefix(TIED_PREFIX)
-            else:
-                idx, local = name.split(".", 1)
-                if int(idx) not in names:
-                    raise ConvertError(f"{files[stage][0]}: layer {idx} is not in the layout")
-                key = pipe_to_flat_key(names[int(idx)], local)
+            try:
+                key = engine_param_to_flat_key(name, names)
+            except KeyError:
+                idx = name.split(".", 1)[0]
+                raise ConvertError(f"{files[stage][0]}: layer {idx} is not in the layout") from None
             state.setdefault(key, torch.cat(parts))
     return state
 
@@ -527,7 +528,6 @@ def repartition_checkpoint(
     import shutil
 
     from megatron_branchnorm.cli import refuse_overlap
-    from megatron_branchnorm.partition import partition_plan
 
     save_dir, out_dir = Path(save_dir), Path(out_dir)
     refuse_overlap(out_dir, [("--checkpoint", save_dir)], "--output")

@@ -8,7 +8,7 @@ References are the raw, unfiltered dev/test text that tools/preprocess_data.py k
 DATA_DIR (``manifest.json``: ``splits.<split>.references.<src>-<tgt>`` = ``{"src": path,
 "tgt": path}``, paths relative to DATA_DIR). The BLEU tokenizer follows the target language:
 ``zh`` for Chinese, ``ja-mecab`` for Japanese when its dependencies are importable (else
-``char``), ``13a`` otherwise. chrF is reported beside BLEU. The JSON report (DESIGN.md §10):
+``char``), ``13a`` otherwise. chrF is reported beside BLEU. The JSON report (docs/design.md §10):
 
     {"directions": {"de-en": {"bleu": 31.2, "chrf": 55.0, "signature": "nrefs:1|case:mixed|..."}},
      "averages": {"x-en": 31.2, "en-x": ..., "all": ...}}
@@ -249,11 +249,16 @@ def averages(directions: dict[str, dict[str, Any]], pivot: str = "en") -> dict[s
     return out
 
 
-def _read(path: Path) -> list[str]:
+def read_lines(path: Path) -> list[str]:
+    """The lines of a source, reference or hypothesis file (split as :func:`split_lines`); an
+    unreadable file is an :class:`EvaluationError` naming it."""
     try:
         return split_lines(path.read_bytes(), str(path))
     except OSError as exc:
         raise EvaluationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+_read = read_lines  # old private name: analysis.py, demo.py, tools/fairseq_side_by_side.py
 
 
 def hypothesis_path(hyp_dir: str | Path, d: DirectionData) -> Path:
@@ -321,7 +326,7 @@ def evaluate(
     if hyp_dir is not None:
         Path(hyp_dir).mkdir(parents=True, exist_ok=True)
     for d in directions:
-        sources, refs = _read(d.src_path), _read(d.ref_path)
+        sources, refs = read_lines(d.src_path), read_lines(d.ref_path)
         if not sources:
             raise EvaluationError(f"{d.src_path}: empty (no sentence to score for {d.name})")
         if len(sources) != len(refs):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +44,7 @@ from megatron_branchnorm.cli import (
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
-from megatron_branchnorm.model.residual import Scheme, branchnorm_alpha, residual_constants
+from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 WEIGHTS = "model.safetensors"
@@ -86,8 +85,7 @@ def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
     """The factor that was folded: BranchNorm's alpha_t, DeepNorm's (encoder, decoder) alphas."""
     scheme = Scheme(model.cfg.residual)
     if scheme is Scheme.BRANCHNORM:
-        cfg = model.cfg
-        return branchnorm_alpha(model.step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
+        return branch_scale_at(model.cfg, model.step)
     if scheme is Scheme.DEEPNORM:
         consts = residual_constants(
             scheme.value, model.cfg.encoder_layers, model.cfg.decoder_layers
@@ -344,14 +342,3 @@ def average_state_dicts(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, 
                 raise ValueError(f"average_state_dicts: non-float tensor {name} differs")
             out[name] = ref.detach().clone()
     return out
-
-
-def describe_export(meta: dict[str, Any]) -> str:
-    """One line about an export (for logs): scheme, step and alpha."""
-    alpha = meta.get("alpha")
-    if isinstance(alpha, float) and math.isfinite(alpha):
-        alpha = f"{alpha:.4g}"
-    return (
-        f"export: scheme={meta.get('scheme')} -> {meta.get('residual')}, step={meta.get('step')}, "
-        f"alpha={alpha}, languages={','.join(meta.get('languages', []) or []) or '?'}"
-    )

@@ -56,7 +56,7 @@ from megatron_branchnorm.model import EncoderDecoder, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PARITY_TOLERANCE = 1e-4  # DESIGN.md §10: HF export logits vs ours
+PARITY_TOLERANCE = 1e-4  # docs/design.md §5: HF export logits vs ours
 HF_EXPORT_KIND = "hf_export"
 """Marker kind of a Hugging Face export directory (cli.MARKER)."""
 

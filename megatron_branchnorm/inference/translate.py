@@ -87,7 +87,7 @@ def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
 
 @dataclass
 class SearchOptions:
-    """Beam search settings (defaults as DESIGN.md §5: beam 4, length penalty 0.6)."""
+    """Beam search settings (defaults as docs/design.md §10: beam 4, length penalty 0.6)."""
 
     beam: int = 4
     """Beam size K; 1 is greedy decoding."""

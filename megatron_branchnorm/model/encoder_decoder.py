@@ -26,8 +26,8 @@ from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.residual import (
     Residual,
     Scheme,
-    branchnorm_alpha,
-    residual_constants,
+    set_branch_scale,
+    stack_constants,
     stack_final_norm,
 )
 from megatron_branchnorm.tokens import PAD_ID
@@ -40,10 +40,7 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         validate_model(cfg)
         self.cfg = cfg
-        consts = residual_constants(
-            cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
-        )
-        (a_enc, b_enc), (a_dec, b_dec) = consts["encoder"], consts["decoder"]
+        (a_enc, b_enc), (a_dec, b_dec) = stack_constants(cfg)
         self.embedding = TokenEmbedding(cfg, seed)
         self.encoder_embed = Embed(cfg)
         self.decoder_embed = Embed(cfg)
@@ -69,12 +66,7 @@ class EncoderDecoder(nn.Module):
         """Set BranchNorm's alpha_t for update ``step`` (from 1); returns alpha_t (1.0 for
         other schemes). A freshly built model is at step 1."""
         self.step = int(step)
-        alpha = 1.0
-        if Scheme(self.cfg.residual) is Scheme.BRANCHNORM:
-            alpha = branchnorm_alpha(step, self.cfg.branchnorm_steps, self.cfg.branchnorm_schedule)
-        for block in self.residual_blocks():
-            block.branch_scale = alpha
-        return alpha
+        return set_branch_scale(self, self.cfg, step)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -193,6 +185,6 @@ def fold_to_postln(model: EncoderDecoder) -> EncoderDecoder:
                 out.weight.mul_(scale)
                 out.bias.mul_(scale)
             block.scheme = Scheme.POSTLN
-            block.alpha = 1.0
+            block.deepnorm_alpha = 1.0
             block.branch_scale = 1.0
     return folded

@@ -35,22 +35,29 @@ class FeedForward(nn.Module):
         return self.fc2(self.activation_dropout(self.act(self.fc1(x))))
 
 
-def _residual(cfg: ModelConfig, alpha: float) -> Residual:
+def _residual(cfg: ModelConfig, deepnorm_alpha: float) -> Residual:
     return Residual(
-        cfg.residual, cfg.hidden_size, cfg.dropout, alpha, cfg.layernorm_eps, cfg.layernorm_impl
+        cfg.residual,
+        cfg.hidden_size,
+        cfg.dropout,
+        deepnorm_alpha,
+        cfg.layernorm_eps,
+        cfg.layernorm_impl,
     )
 
 
 class EncoderLayer(nn.Module):
     """Self-attention then FFN, each in a residual block."""
 
-    def __init__(self, cfg: ModelConfig, alpha: float, beta: float, seed: int, index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, deepnorm_alpha: float, beta: float, seed: int, index: int
+    ) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.self_attn = MultiheadAttention(d, cfg.num_attention_heads, cfg.attention_dropout)
         self.ffn = FeedForward(d, cfg.ffn_hidden_size, cfg.activation, cfg.activation_dropout)
-        self.self_attn_block = _residual(cfg, alpha)
-        self.ffn_block = _residual(cfg, alpha)
+        self.self_attn_block = _residual(cfg, deepnorm_alpha)
+        self.ffn_block = _residual(cfg, deepnorm_alpha)
         gen = layer_generator(seed, "encoder", index)
         for sublayer in (self.self_attn, self.ffn):
             init_sublayer(sublayer, beta, gen)
@@ -68,15 +75,17 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Causal self-attention, cross-attention to the encoder, FFN: each in a residual block."""
 
-    def __init__(self, cfg: ModelConfig, alpha: float, beta: float, seed: int, index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, deepnorm_alpha: float, beta: float, seed: int, index: int
+    ) -> None:
         super().__init__()
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.self_attn = MultiheadAttention(d, h, cfg.attention_dropout)
         self.cross_attn = MultiheadAttention(d, h, cfg.attention_dropout, cross=True)
         self.ffn = FeedForward(d, cfg.ffn_hidden_size, cfg.activation, cfg.activation_dropout)
-        self.self_attn_block = _residual(cfg, alpha)
-        self.cross_attn_block = _residual(cfg, alpha)
-        self.ffn_block = _residual(cfg, alpha)
+        self.self_attn_block = _residual(cfg, deepnorm_alpha)
+        self.cross_attn_block = _residual(cfg, deepnorm_alpha)
+        self.ffn_block = _residual(cfg, deepnorm_alpha)
         gen = layer_generator(seed, "decoder", index)
         for sublayer in (self.self_attn, self.cross_attn, self.ffn):
             init_sublayer(sublayer, beta, gen)

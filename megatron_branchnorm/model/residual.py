@@ -7,9 +7,10 @@ Every sublayer F (self-attention, cross-attention, feed-forward) sits in a resid
     deepnorm:    x = LN(alpha * x + F(x))         DeepNet (Wang et al., 2022)
     branchnorm:  x = LN(x + alpha_t * F(x))       BranchNorm (Liu et al., ACL Findings 2024)
 
-F includes its output dropout. DeepNorm's alpha is a constant per stack (deepnorm_constants);
-BranchNorm's alpha_t comes from the training step (branchnorm_alpha) and is set on the blocks
-as a Python float before every update, never stored as a parameter. After T steps BranchNorm
+F includes its output dropout. DeepNorm's alpha is a constant per stack (deepnorm_constants;
+``Residual.deepnorm_alpha``); BranchNorm's alpha_t comes from the training step
+(branchnorm_alpha) and is set on the blocks (``Residual.branch_scale``, by set_branch_scale) as
+a Python float before every update, never stored as a parameter. After T steps BranchNorm
 is exactly Post-LN.
 
 Initialisation (DeepNet paper, Fig. 2 pseudocode): Xavier-normal with gain beta for the value
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import importlib
-import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -33,9 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model.dropout import Dropout
-
-logger = logging.getLogger(__name__)
 
 
 class Scheme(str, enum.Enum):
@@ -118,6 +117,32 @@ def residual_constants(
     elif branch_init != "deepnet":
         raise ValueError(f"unknown branch init {branch_init!r} (auto, deepnet, xavier)")
     return {"encoder": (a_enc, b_enc), "decoder": (a_dec, b_dec)}
+
+
+def stack_constants(cfg: ModelConfig) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((DeepNorm alpha, init beta) of the encoder, the same of the decoder) for ``cfg``:
+    :func:`residual_constants` of the model config, as the layer constructors take them."""
+    consts = residual_constants(
+        cfg.residual, cfg.encoder_layers, cfg.decoder_layers, cfg.branch_init
+    )
+    return consts["encoder"], consts["decoder"]
+
+
+def branch_scale_at(cfg: ModelConfig, step: int) -> float:
+    """BranchNorm's alpha_t for update ``step`` under ``cfg``; 1.0 for the other schemes."""
+    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
+        return branchnorm_alpha(step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
+    return 1.0
+
+
+def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
+    """Set alpha_t for update ``step`` on every residual block in ``module`` (a whole model or
+    one pipeline stage); returns it."""
+    alpha = branch_scale_at(cfg, step)
+    for block in module.modules():
+        if isinstance(block, Residual):
+            block.branch_scale = alpha
+    return alpha
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +282,7 @@ class Residual(nn.Module):
         scheme: str,
         dim: int,
         dropout: float,
-        alpha: float = 1.0,
+        deepnorm_alpha: float = 1.0,
         eps: float = 1e-5,
         layernorm_impl: str = "auto",
     ) -> None:
@@ -265,7 +290,7 @@ class Residual(nn.Module):
         self.scheme = Scheme(scheme)
         self.norm = LayerNorm(dim, eps, layernorm_impl)
         self.dropout = Dropout(dropout)
-        self.alpha = float(alpha)  # DeepNorm's constant residual weight
+        self.deepnorm_alpha = float(deepnorm_alpha)  # DeepNorm's constant residual weight
         self.branch_scale = 1.0  # BranchNorm's alpha_t, set from the step before each update
 
     def forward(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -276,7 +301,7 @@ class Residual(nn.Module):
         # torch.add(a, b, alpha=s) = a + s * b in one kernel (no separate scale and its
         # backward); at s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
         if self.scheme is Scheme.DEEPNORM:
-            return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.alpha))
+            return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.deepnorm_alpha))
         return self.norm(torch.add(x, self.dropout(f(x)), alpha=self.branch_scale))
 
     def output_scale_for_postln(self) -> float:
@@ -288,7 +313,7 @@ class Residual(nn.Module):
         if self.scheme is Scheme.POSTLN:
             return 1.0
         if self.scheme is Scheme.DEEPNORM:
-            return 1.0 / self.alpha
+            return 1.0 / self.deepnorm_alpha
         if self.scheme is Scheme.BRANCHNORM:
             return self.branch_scale
         raise ValueError("a Pre-LN block has no Post-LN equivalent")

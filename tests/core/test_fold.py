@@ -1,6 +1,6 @@
 """The Post-LN family: BranchNorm at alpha=1 is Post-LN; every member folds into Post-LN.
 
-Tolerances from DESIGN.md §10: alpha=1 vs Post-LN exact (same arithmetic); folded BranchNorm
+Tolerances from docs/design.md §5: alpha=1 vs Post-LN exact (same arithmetic); folded BranchNorm
 1e-6 (a scale folds exactly into a linear map, up to float rounding); folded DeepNorm 1e-4
 (LN(a*y) = LN(y) only up to LayerNorm's epsilon).
 """
@@ -88,7 +88,7 @@ def test_fold_deepnorm() -> None:
     # 6L-6L: alpha_enc = 1.42, alpha_dec = 2.06, far from 1.
     cfg = tiny_config(residual="deepnorm", encoder_layers=6, decoder_layers=6)
     model = build_model(cfg, seed=4).eval()
-    assert min(b.alpha for b in model.residual_blocks()) > 1.4
+    assert min(b.deepnorm_alpha for b in model.residual_blocks()) > 1.4
     _assert_folds(model, atol=1e-4)
 
 

@@ -49,7 +49,7 @@ def test_fused_loss_keeps_bf16_gradient_dtype() -> None:
 @pytest.mark.parametrize("scheme", ["branchnorm", "deepnorm", "postln"])
 def test_fused_residual_add_equals_the_written_equation(scheme: str) -> None:
     torch.manual_seed(1)
-    block = Residual(scheme, 16, dropout=0.0, alpha=1.7, layernorm_impl="torch")
+    block = Residual(scheme, 16, dropout=0.0, deepnorm_alpha=1.7, layernorm_impl="torch")
     block.branch_scale = 0.3
     x = torch.randn(2, 5, 16)
 

@@ -141,7 +141,7 @@ def test_block_equations(scheme: str) -> None:
     def f(h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(h @ weight)
 
-    block = Residual(scheme, 16, dropout=0.0, alpha=1.7, layernorm_impl="torch")
+    block = Residual(scheme, 16, dropout=0.0, deepnorm_alpha=1.7, layernorm_impl="torch")
     block.branch_scale = 0.3
     expected = {
         "postln": _ln(x + f(x)),

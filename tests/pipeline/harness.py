@@ -21,12 +21,11 @@ import torch.distributed as dist
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
-from megatron_branchnorm.partition import partition_plan, spec_names
+from megatron_branchnorm.partition import engine_param_to_flat_key, partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
     install_engine_fixes,
-    pipe_to_flat_key,
     set_pipeline_step,
 )
 from megatron_branchnorm.synthetic import SyntheticData, collate
@@ -68,12 +67,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
             for name, p in module.named_parameters():
                 if p.grad is None:
                     continue
-                if name.startswith("tied_modules.embed."):
-                    flat = name.removeprefix("tied_modules.embed.")
-                else:
-                    idx, local = name.split(".", 1)
-                    flat = pipe_to_flat_key(names[int(idx)], local)
-                grads[flat] = p.grad.detach().clone()
+                grads[engine_param_to_flat_key(name, names)] = p.grad.detach().clone()
 
     opt = Capture(module.parameters(), lr=0.0)
     ds = {

@@ -40,7 +40,7 @@ def test_convert_round_trip_matches_checkpoint(harness, tmp_path):
     with torch.no_grad():
         ref = model(b["src_tokens"], b["prev_output_tokens"])
         got = exported.eval()(b["src_tokens"], b["prev_output_tokens"])
-    # BranchNorm at alpha = 20/100 folded into Post-LN: 1e-6 (DESIGN.md §10), relative to scale
+    # BranchNorm at alpha = 20/100 folded into Post-LN: 1e-6 (docs/design.md §5), relative to scale
     assert (ref - got).abs().max() <= 1e-5 * ref.abs().max()
     assert exported.cfg.residual == "postln"
     # the flat model built from the checkpoint has trained (non-initial) weights
@@ -99,7 +99,7 @@ def test_repartitioned_checkpoint_exports_identically(harness, tmp_path):
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
-    # DESIGN.md §10: exports of the same weights saved as 1 and as 2 stages: identical bytes
+    # docs/design.md §5: exports of the same weights saved as 1 and as 2 stages: identical bytes
     for name in ("model.safetensors", "config.yaml"):
         assert (tmp_path / "e1" / name).read_bytes() == (tmp_path / "e2" / name).read_bytes()
 
