@@ -31,9 +31,6 @@ from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 from megatron_branchnorm.model.residual import set_branch_scale, stack_constants, stack_final_norm
 from megatron_branchnorm.partition import TIED_KEY, spec_entries
-
-# re-exported for trainer.py only, until it imports the map from partition.py
-from megatron_branchnorm.partition import pipe_to_flat_key as pipe_to_flat_key
 from megatron_branchnorm.tokens import PAD_ID
 
 

@@ -21,8 +21,7 @@ from megatron_branchnorm import resume_policy, retention
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
-from megatron_branchnorm.partition import spec_names
-from megatron_branchnorm.pipeline import pipe_to_flat_key
+from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names
 from megatron_branchnorm.training.data import TrainStream
 from megatron_branchnorm.training.ds_config import precision_of
 from megatron_branchnorm.training.faults import Faults
@@ -324,11 +323,7 @@ class Checkpointer:
         names = spec_names(self.cfg.model)
         state = {}
         for key in self.module.state_dict():
-            if key.startswith("tied_modules.embed."):
-                flat_key = key.removeprefix("tied_modules.embed.")
-            else:
-                idx, local = key.split(".", 1)
-                flat_key = pipe_to_flat_key(names[int(idx)], local)
+            flat_key = engine_param_to_flat_key(key, names)
             if flat_key not in flat:
                 raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
             state[key] = flat[flat_key]

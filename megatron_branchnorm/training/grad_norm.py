@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_branchnorm.pipeline import pipe_to_flat_key
+from megatron_branchnorm.partition import TIED_PREFIX, engine_param_to_flat_key
 
 
 class AdamW(torch.optim.AdamW):
@@ -50,11 +50,11 @@ def first_nonfinite_grad(module: torch.nn.Module, names: dict[int, str]) -> tupl
     for key, p in module.named_parameters():
         if p.grad is None or bool(torch.isfinite(p.grad).all()):
             continue
-        if key.startswith("tied_modules.embed."):
+        if key.startswith(TIED_PREFIX):
             found.append((0, "embedding"))
         else:
-            idx, local = key.split(".", 1)
-            found.append((int(idx), pipe_to_flat_key(names[int(idx)], local).rsplit(".", 1)[0]))
+            module_name = engine_param_to_flat_key(key, names).rsplit(".", 1)[0]
+            found.append((int(key.split(".", 1)[0]), module_name))
     return min(found) if found else None
 
 

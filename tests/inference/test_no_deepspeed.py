@@ -39,13 +39,6 @@ def test_convert_and_translate_do_not_load_deepspeed():
     assert result.stdout.strip() == "[]"
 
 
-def test_pipeline_keeps_the_key_map_for_the_trainer():
-    """trainer.py imports pipe_to_flat_key from pipeline.py until it is switched to partition."""
-    from megatron_branchnorm import partition, pipeline
-
-    assert pipeline.pipe_to_flat_key is partition.pipe_to_flat_key
-
-
 def test_key_maps():
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names
