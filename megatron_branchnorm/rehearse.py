@@ -54,7 +54,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
-from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.launch import free_port
 
 SHRINK: tuple[str, ...] = (
     "model.vocab_size=64",

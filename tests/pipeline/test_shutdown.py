@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_branchnorm import trainer as trainer_mod
-from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.launch import free_port
 
 
 class _FakeTrainer:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Layer-wise analyses of exported models (BranchNorm paper, Figs. 8 and 9): the cosine
 similarity between adjacent layers' representations and the sparsity of the FFN activations,
 per encoder and decoder layer, on a DATA_DIR's held-out sentences (teacher-forced).
@@ -18,8 +17,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROG = "analyze_model.py"
 

@@ -26,16 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_branchnorm.analysis import source_dependence  # noqa: E402
-from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
-from megatron_branchnorm.data import BatchSampler, TranslationData  # noqa: E402
-from megatron_branchnorm.lr_schedule import inverse_sqrt_factor  # noqa: E402
-from megatron_branchnorm.model import build_model  # noqa: E402
-from megatron_branchnorm.model.loss import label_smoothed_nll_loss  # noqa: E402
+from megatron_branchnorm.analysis import source_dependence
+from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.data import BatchSampler, TranslationData
+from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
+from megatron_branchnorm.model import build_model
+from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.analysis import source_dependence  # noqa: E402
-from megatron_branchnorm.data import BatchSampler, TranslationData  # noqa: E402
-from megatron_branchnorm.inference.export import ExportError, load_export  # noqa: E402
+from megatron_branchnorm.analysis import source_dependence
+from megatron_branchnorm.data import BatchSampler, TranslationData
+from megatron_branchnorm.inference.export import ExportError, load_export
 
 
 def main(argv: list[str] | None = None) -> int:

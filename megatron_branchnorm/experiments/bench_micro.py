@@ -17,17 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _bench_models as bm  # noqa: E402
-
-from megatron_branchnorm.model.loss import (  # noqa: E402
+from megatron_branchnorm.experiments import bench_models as bm
+from megatron_branchnorm.model.loss import (
     label_smoothed_nll_loss,
     reference_label_smoothed_nll_loss,
 )

@@ -6,12 +6,12 @@
 Sections (``--sections``, comma-separated; default all):
 
 - ``model``: the model step (forward, the same fp32 label-smoothed loss, backward, a plain
-  torch.optim.Adam step; one loop shared by every implementation, tools/_bench_models.py) for
+  torch.optim.Adam step; one loop shared by every implementation, bench_models.py) for
   ours and each anchor, fp32 and bf16 autocast. Each implementation is a persistent worker
   process; rounds interleave implementations and dtypes; figures are medians. Prints tokens/s
   (source + target), achieved GFLOP/s (matmul FLOPs of the configuration), the fraction of
   the matmul peak measured in the same run, and our ratio to each anchor. fairseq and
-  torchscale run in the throwaway environment of tools/_bench_anchors.py.
+  torchscale run in the throwaway environment of bench_anchors.py.
 - ``trainstep``: our whole training step through megatron_branchnorm/train.py (fused loss,
   optimizer, loop overheads) on synthetic data of the same shape, fp32 and bf16.
 - ``pipeline``: train.py on 1 stage (1 thread) and on 2 stages (2 ranks, 1 thread each) with
@@ -43,14 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import _bench_anchors  # noqa: E402
-import _bench_models  # noqa: E402
-
-from megatron_branchnorm.hardware import cpu_info, default_dtypes  # noqa: E402
+from megatron_branchnorm.experiments import bench_anchors, bench_models
+from megatron_branchnorm.hardware import cpu_info, default_dtypes
+from megatron_branchnorm.launch import CHECKOUT, free_port, tool_command
 
 SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess")
 
@@ -113,12 +108,12 @@ def _timed(fn) -> float:
 
 
 class Worker:
-    """A tools/_bench_models.py process serving one implementation."""
+    """A bench_models.py process serving one implementation."""
 
     def __init__(self, impl: str, python: str, args: list[str], env: dict) -> None:
         self.impl = impl
         self.proc = subprocess.Popen(
-            [python, str(ROOT / "tools" / "_bench_models.py"), "--impl", impl, *args],
+            [python, "-m", "megatron_branchnorm.experiments.bench_models", "--impl", impl, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -155,10 +150,12 @@ def bench_model(a: argparse.Namespace, peak: dict[str, float]) -> dict:
     anchor_py, status = None, {}
     if {"fairseq", "torchscale"} & set(impls):
         log("preparing the anchors' environment (first time: minutes)")
-        anchor_py = str(_bench_anchors.prepare_anchor_env())
-        status = _bench_anchors.anchor_status()
+        anchor_py = str(bench_anchors.prepare_anchor_env())
+        status = bench_anchors.anchor_status()
     skipped: dict[str, str] = {}
-    env = dict(os.environ, **_bench_anchors.ANCHOR_ENV)
+    env = dict(os.environ, **bench_anchors.ANCHOR_ENV)
+    # the workers import bench_models from this checkout (the anchors' python has no install)
+    env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])
     specs = {}  # impl -> (worker impl, python, extra args)
     for impl in impls:
         if impl in ("fairseq", "torchscale") and status.get(impl) != "ok":
@@ -195,7 +192,7 @@ def bench_model(a: argparse.Namespace, peak: dict[str, float]) -> dict:
     workers = [i for i in specs if i not in skipped]
     times = {i: times[i] for i in workers}
     tokens = a.batch * (a.src + a.tgt)
-    flops = _bench_models.model_flops(a.layers, a.dim, a.ffn, a.vocab, a.batch, a.src, a.tgt)
+    flops = bench_models.model_flops(a.layers, a.dim, a.ffn, a.vocab, a.batch, a.src, a.tgt)
     rows = {}
     for impl, per_dtype in times.items():
         for dt, ts in per_dtype.items():
@@ -242,17 +239,14 @@ def train_run(
     threads_per_rank: int,
     save_dir: Path,
     timeout: float,
-    root: Path = ROOT,
+    root: Path = CHECKOUT,
 ) -> dict:
-    """Run train.py (ranks started directly, as under srun); returns metrics records, wall
-    time to the first record, total wall time and the peak RSS of each rank (MiB)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    """Run train.py of the tree ``root`` (ranks started directly, as under srun, in ``root``);
+    returns metrics records, wall time to the first record, total wall time and the peak RSS
+    of each rank (MiB)."""
+    port = free_port()
     cmd = [
-        sys.executable, str(root / "megatron_branchnorm" / "train.py"), "--config", "tiny_cpu",
+        sys.executable, "-m", "megatron_branchnorm.train", "--config", "tiny_cpu",
         f"train.save_dir={save_dir}", "train.save_interval=0", "train.eval_interval=100000",
         "train.log_interval=1", *overrides,
     ]  # fmt: skip
@@ -268,7 +262,7 @@ def train_run(
         )  # fmt: skip
         save_dir.mkdir(parents=True, exist_ok=True)
         with open(save_dir / f"rank{rank}.log", "w") as out:
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=out))
+            procs.append(subprocess.Popen(cmd, env=env, cwd=root, stdout=out, stderr=out))
     first = None
     peaks = [0.0] * ranks
     done = [False] * ranks
@@ -316,12 +310,12 @@ def bench_trainstep(a: argparse.Namespace, work: Path) -> dict:
     tokens per side (source + target tokens are counted, pads not)."""
     out: dict = {}
     steps = a.warmup + a.steps * (1 if a.quick else 2)
-    trees = {"ours": ROOT}
+    trees = {"ours": CHECKOUT}
     if a.base:
         trees["base"] = Path(a.base)
     for rnd in range(1 if a.quick else 2):
         for dt in a.dtypes.split(","):
-            ds = ROOT / "ds_configs" / ("cpu_fp32.json" if dt == "fp32" else "zero1_bf16.json")
+            ds = CHECKOUT / "ds_configs" / ("cpu_fp32.json" if dt == "fp32" else "zero1_bf16.json")
             if dt == "bf16":  # ZeRO-1 refuses our AdamW subclass unless told (see performance.md)
                 conf = json.loads(ds.read_text())
                 conf["zero_allow_untested_optimizer"] = True
@@ -417,27 +411,11 @@ def bench_deep(a: argparse.Namespace, work: Path) -> dict:
 
 def _import_beam_tree(root: str) -> tuple:
     """(ModelConfig, build_model, beam_search) of the package under ``root`` (another git
-    revision), imported under its usual name and then taken out of ``sys.modules`` again, so
-    that this tree's modules stay the ones imported by name. Its functions keep their own
-    module globals, so the two versions run side by side in one process."""
-    import importlib
-
-    def ours_loaded() -> dict:
-        return {k: m for k, m in sys.modules.items() if k.split(".")[0] == "megatron_branchnorm"}
-
-    saved = ours_loaded()
-    for k in saved:
-        del sys.modules[k]
-    sys.path.insert(0, root)
-    try:
-        config = importlib.import_module("megatron_branchnorm.config")
-        model = importlib.import_module("megatron_branchnorm.model")
-        search = importlib.import_module("megatron_branchnorm.inference.beam_search")
-    finally:
-        sys.path.remove(root)
-        for k in ours_loaded():
-            del sys.modules[k]
-        sys.modules.update(saved)
+    revision), beside this tree's (bench_models.import_tree)."""
+    names = ["config", "model", "inference.beam_search"]
+    config, model, search = bench_models.import_tree(
+        root, [f"megatron_branchnorm.{name}" for name in names]
+    )
     return config.ModelConfig, model.build_model, search.beam_search
 
 
@@ -598,18 +576,17 @@ def bench_preprocess(a: argparse.Namespace, work: Path) -> dict:
     corpus = work / "corpus"
     if not corpus.exists():
         subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "build_locale_corpus.py"), "--output",
-             str(corpus), "--langs", "de,fr"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+            [*tool_command("build_locale_corpus"), "--output", str(corpus), "--langs", "de,fr"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=CHECKOUT,
         )  # fmt: skip
     out_dir = work / "data"
     shutil.rmtree(out_dir, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--format", "opus100",
+        [*tool_command("preprocess_data"), "--format", "opus100",
          "--input", str(corpus), "--langs", "de,fr", "--output", str(out_dir),
          "--vocab-size", "2000"],
-        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=CHECKOUT,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     manifest = json.loads((out_dir / "manifest.json").read_text())
@@ -662,7 +639,7 @@ def print_report(res: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _bench_models.add_model_args(p)
+    bench_models.add_model_args(p)
     p.add_argument("--quick", action="store_true", help="short version (1 round, fewer runs)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"of {','.join(SECTIONS)}")
     p.add_argument("--impls", default="ours,torch,fairseq,torchscale")
@@ -712,7 +689,8 @@ def main() -> int:
         p.error(f"unknown sections {sorted(unknown)} (of {', '.join(SECTIONS)})")
     if bool(a.beam_export) != bool(a.beam_data):
         p.error("--beam-export and --beam-data go together")
-    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="mbn_bench_"))
+    # absolute: train.py runs in the tree it times (--baseline: another one)
+    work = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix="mbn_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     a.base = None
     if a.baseline:
@@ -720,7 +698,7 @@ def main() -> int:
         shutil.rmtree(a.base, ignore_errors=True)
         os.makedirs(a.base)
         tar = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", a.baseline, "megatron_branchnorm"],
+            ["git", "-C", str(CHECKOUT), "archive", a.baseline, "megatron_branchnorm"],
             check=True, capture_output=True,
         ).stdout  # fmt: skip
         subprocess.run(["tar", "-x", "-C", a.base], input=tar, check=True)

@@ -25,7 +25,7 @@ What runs, in order (each step is skipped when its result is already under OUT):
    budget (or an existing demo run via ``--reuse SCHEME=DIR``);
 4. ``OUT/report.md`` and ``OUT/side_by_side.json``.
 
-fairseq runs in the throwaway environment of ``tools/_bench_anchors.py`` (fairseq patched to
+fairseq runs in the throwaway environment of ``bench_anchors.py`` (fairseq patched to
 import on Python 3.11 there, never in this repository). What differs, on purpose or not:
 fairseq concatenates the four directions (ours samples them with temperature 5: the two pairs are
 close in size, so the mix is nearly the same); fairseq's init is its own (Xavier-uniform, Post-LN)
@@ -48,13 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402
-from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged  # noqa: E402
-from megatron_branchnorm.tokens import lang_tag  # noqa: E402
+from megatron_branchnorm.cli import OutputError, claim_output_dir
+from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged
+from megatron_branchnorm.launch import CHECKOUT, tool_command
+from megatron_branchnorm.tokens import lang_tag
 
 SRC, TGT = "src", "tgt"  # the one fairseq "language pair": tagged source -> target
 FAIRSEQ_SPECIALS = 4  # <pad> <unk> <s> </s>: ids 0-3 in our SentencePiece model, built into fairseq
@@ -234,8 +231,12 @@ def fairseq_train_args(cfg: Any, bin_dir: Path, save_dir: Path, minutes: float) 
 def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> dict[str, Any]:
     """Export, binarise, train and evaluate fairseq; returns its part of the report."""
     import sentencepiece as spm
-    from _bench_anchors import ANCHOR_ENV, anchor_status, prepare_anchor_env
 
+    from megatron_branchnorm.experiments.bench_anchors import (
+        ANCHOR_ENV,
+        anchor_status,
+        prepare_anchor_env,
+    )
     from megatron_branchnorm.inference.evaluate import (
         _read,
         averages,
@@ -311,7 +312,7 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
             *("--max-len-b", "10", "--buffer-size", "1024", "--batch-size", "64", "--cpu"),
             *("--input", str(inp)),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=CHECKOUT)
         (logs / f"interactive.{name}.log").write_text(proc.stderr)
         if proc.returncode != 0:
             raise SideBySideError(
@@ -365,14 +366,8 @@ def run_ours(out: Path, scheme: str, opts: argparse.Namespace) -> dict[str, Any]
                 shutil.copytree(out / name, run_dir / name)
         run_step(
             [
-                *(
-                    sys.executable,
-                    "tools/run_demo.py",
-                    "--out",
-                    str(run_dir),
-                    "--langs",
-                    opts.langs,
-                ),
+                *tool_command("run_demo"),
+                *("--out", str(run_dir), "--langs", opts.langs),
                 *("--config", opts.config, "--minutes", str(opts.minutes)),
                 *("--vocab-size", str(opts.vocab_size), "--beam", str(opts.beam)),
                 *("--eval-sentences", str(opts.eval_sentences)),

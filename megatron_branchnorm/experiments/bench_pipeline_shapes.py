@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_branchnorm.launch import free_port
 
 
 def _pad(batch: dict, bucket: int, max_tokens: int) -> dict:
@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    """Launch 2 ranks of this script, or be one of them."""
+    """Launch 2 ranks of this module, or be one of them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed updates per mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed updates per mode")
@@ -117,11 +117,8 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
+    me = [sys.executable, "-m", "megatron_branchnorm.experiments.bench_pipeline_shapes"]
     procs = []
     for rank in range(2):
         env = dict(
@@ -135,7 +132,7 @@ def main() -> int:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, *sys.argv], env=env, stderr=subprocess.DEVNULL if rank else None
+                [*me, *sys.argv[1:]], env=env, stderr=subprocess.DEVNULL if rank else None
             )
         )
     return max(p.wait() for p in procs)

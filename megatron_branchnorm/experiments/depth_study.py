@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Depth study: Post-LN, Pre-LN, DeepNorm and BranchNorm at increasing depth (BranchNorm paper,
 Fig. 3), each cell a real 2-stage DeepSpeed pipeline training on the built-in corpus.
 
@@ -9,7 +8,7 @@ Fig. 3), each cell a real 2-stage DeepSpeed pipeline training on the built-in co
     python tools/depth_study.py --out runs/study/depth --report-only   # table + PNG again
 
 A cell (scheme, N) trains an N-layer encoder + N-layer decoder (tiny width, d=--width, FFN
-4d) with `deepspeed --num_gpus 2 megatron_branchnorm/train.py --config tiny_cpu
+4d) with `deepspeed --num_gpus 2 --module megatron_branchnorm.train --config tiny_cpu
 pipeline.stages=2 ...` for --steps updates, by default at a large learning rate with no
 warm-up (the stress setting) and no gradient clipping, logging every update. Without --data the
 corpus (German-English, tools/build_locale_corpus.py) and DATA_DIR (vocabulary 2000) are built
@@ -36,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -44,10 +42,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402 (no torch)
+from megatron_branchnorm.cli import OutputError, claim_output_dir  # (no torch)
+from megatron_branchnorm.launch import (
+    CHECKOUT,
+    LaunchError,
+    deepspeed_command,
+    logged_group,
+    tool_command,
+)
 
 PROG = "depth_study.py"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
@@ -239,15 +241,14 @@ def ensure_data(out: Path) -> Path:
     corpus, data = out / "corpus", out / "data"
     if data_matches(data, ["de"], 2000):
         return data
-    py = sys.executable
     if not (corpus / "locale_corpus.json").is_file():
         shutil.rmtree(corpus, ignore_errors=True)
-        cmd = [py, str(ROOT / "tools/build_locale_corpus.py"), "--output", str(corpus)]
-        subprocess.run([*cmd, "--langs", "de"], check=True, cwd=ROOT)
+        cmd = [*tool_command("build_locale_corpus"), "--output", str(corpus)]
+        subprocess.run([*cmd, "--langs", "de"], check=True, cwd=CHECKOUT)
     shutil.rmtree(data, ignore_errors=True)
-    cmd = [py, str(ROOT / "tools/preprocess_data.py"), "--format", "opus100", "--input"]
+    cmd = [*tool_command("preprocess_data"), "--format", "opus100", "--input"]
     cmd += [str(corpus), "--langs", "de", "--output", str(data), "--vocab-size", "2000"]
-    subprocess.run([*cmd, "--workers", "1", "--no-progress"], check=True, cwd=ROOT)
+    subprocess.run([*cmd, "--workers", "1", "--no-progress"], check=True, cwd=CHECKOUT)
     return data
 
 
@@ -261,37 +262,19 @@ def run_cell(
     keep_checkpoints: bool,
 ) -> dict[str, Any]:
     """Train one cell from scratch; write and return its result."""
-    from megatron_branchnorm.demo import free_port, stop_group
-
     shutil.rmtree(cell_dir, ignore_errors=True)
     cell_dir.mkdir(parents=True)
     save_dir = cell_dir / "train"
-    venv_bin = Path(sys.executable).parent
-    launcher = venv_bin / "deepspeed"
-    if not launcher.exists():
-        found = shutil.which("deepspeed")
-        if found is None:
-            raise StudyError("the deepspeed launcher is not installed (pip install deepspeed)")
-        launcher = Path(found)
-    env = dict(os.environ)
-    env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
     args = cell_overrides(scheme, layers, s, data, save_dir, minutes)
-    cmd = [str(launcher), "--num_gpus", str(s["ranks"]), "--master_port", str(free_port())]
-    cmd += ["megatron_branchnorm/train.py", *args]
+    try:
+        cmd, env = deepspeed_command(s["ranks"], args)
+    except LaunchError as e:
+        raise StudyError(str(e)) from None
     log = cell_dir / "train.log"
     start = time.time()
-    with open(log, "w", encoding="utf-8") as fh:
-        fh.write(f"$ {' '.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-        )
-        try:
-            # the trainer's own budget ends the run; this bound only catches a hung launch
-            proc.wait(timeout=minutes * 60 + 900)
-        except BaseException:
-            stop_group(proc)
-            raise
+    with logged_group(cmd, log, env=env, mode="w") as proc:
+        # the trainer's own budget ends the run; this bound only catches a hung launch
+        proc.wait(timeout=minutes * 60 + 900)
     wall = time.time() - start
     result = {"scheme": scheme, "layers": layers, "settings": s}
     result.update(summarize(read_rows(save_dir / "metrics.jsonl"), proc.returncode))

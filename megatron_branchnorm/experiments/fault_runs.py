@@ -1,5 +1,6 @@
-"""Shared pieces of the fault suite and of tools/fault_sweep.py: the reference configuration,
-a launcher of gloo ranks that can inject faults, metrics and parameter-hash readers."""
+"""Shared pieces of the fault suite (tests/faults) and of the fault sweep (fault_sweep.py):
+the reference configuration, a launcher of gloo ranks that can inject faults, metrics and
+parameter-hash readers."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 from megatron_branchnorm.inference.convert import LAYER_FILE
-from tests.pipeline.conftest import ROOT, free_port, rank_env
+from megatron_branchnorm.launch import CHECKOUT, free_port
+from megatron_branchnorm.rehearse import rank_env  # the environment srun + common.sh give
 
-TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
 STEPS = 12
 """Length of the reference run; checkpoints every 4 (reference) or 2 (fault runs) updates."""
 BASE = [
@@ -59,10 +60,11 @@ def launch(
         if fault:
             env["MBN_FAULT_INJECT"] = fault
         log = open(log_dir / f"rank{r}.log", "a")
-        args = [TRAIN, "--config", "tiny_cpu", *BASE, f"train.save_dir={save_dir}", *overrides]
+        args = ["-m", "megatron_branchnorm.train", "--config", "tiny_cpu", *BASE]
+        args += [f"train.save_dir={save_dir}", *overrides]
         procs.append(
             subprocess.Popen(
-                [sys.executable, *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *args], env=env, cwd=CHECKOUT, stdout=log, stderr=subprocess.STDOUT
             )
         )
     return procs

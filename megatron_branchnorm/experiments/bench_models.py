@@ -4,7 +4,7 @@ a plain ``torch.optim.Adam`` step), so a comparison compares models.
 
 Imports only torch at module level: it runs both in the project's environment (``ours``,
 ``torch``) and in the anchors' throwaway environment (``fairseq``, ``torchscale``; see
-_bench_anchors.py). As a worker it serves timing requests over stdin/stdout (JSON lines), so
+bench_anchors.py). As a worker it serves timing requests over stdin/stdout (JSON lines), so
 one orchestrator can interleave implementations and repeats in one run:
 
     python tools/_bench_models.py --impl torch --layers 12     # then {"dtype": "fp32", "steps": 3}
@@ -13,11 +13,14 @@ one orchestrator can interleave implementations and repeats in one run:
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.machinery
+import importlib.util
 import json
 import math
-import os
 import sys
 import time
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +65,42 @@ def make_batch(batch: int, src: int, tgt: int, vocab: int, seed: int = 0):
 # ---------------------------------------------------------------------------------------------
 
 
+def import_tree(root: str, names: list[str]) -> list[ModuleType]:
+    """The modules ``names`` of the package under ``root`` (another git revision of this
+    repository), imported under their usual names and then taken out of ``sys.modules`` again,
+    so that this tree's modules stay the ones imported by name. Their functions keep their own
+    module globals, so the two versions run side by side in one process."""
+
+    def ours_loaded() -> dict:
+        return {k: m for k, m in sys.modules.items() if k.split(".")[0] == "megatron_branchnorm"}
+
+    saved = ours_loaded()
+    for k in saved:
+        del sys.modules[k]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec("megatron_branchnorm", [root])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{root}: no megatron_branchnorm package")
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["megatron_branchnorm"] = package
+        spec.loader.exec_module(package)
+        return [importlib.import_module(name) for name in names]
+    finally:
+        for k in ours_loaded():
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
 def build_ours(a: argparse.Namespace) -> nn.Module:
-    sys.path.insert(
-        0, getattr(a, "root", None) or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    )
-    from megatron_branchnorm.config import ModelConfig
-    from megatron_branchnorm.model import build_model
+    """Our model; with ``--root``, the package of that tree (another revision)."""
+    if getattr(a, "root", None):
+        config, model = import_tree(
+            a.root, ["megatron_branchnorm.config", "megatron_branchnorm.model"]
+        )
+        ModelConfig, build_model = config.ModelConfig, model.build_model  # noqa: N806
+    else:
+        from megatron_branchnorm.config import ModelConfig
+        from megatron_branchnorm.model import build_model
 
     cfg = ModelConfig(
         encoder_layers=a.layers, decoder_layers=a.layers, hidden_size=a.dim,

@@ -5,10 +5,10 @@
     python tools/fault_sweep.py --out runs/faults soak --preemptions 10 --hard-kills 2
     python tools/fault_sweep.py --out runs/faults hang          # SIGSTOP a rank: timeout bound
 
-Each mode starts 2 gloo ranks of train.py (tests/faults/common.py's BASE config: tiny 2-2
-BranchNorm, dropout 0.1, activation checkpointing, 2 stages), or with ``--world 4`` 4 ranks
-(2 stages x 2 data-parallel replicas; kill-points, soak), compares against one uninterrupted
-reference run on as many ranks, prints a table and writes OUT/<mode>.json (OUT/<mode>_w4.json).
+Each mode starts 2 gloo ranks of train.py (fault_runs.py's BASE config: tiny 2-2 BranchNorm,
+dropout 0.1, activation checkpointing, 2 stages), or with ``--world 4`` 4 ranks (2 stages x 2
+data-parallel replicas; kill-points, soak), compares against one uninterrupted reference run on
+as many ranks, prints a table and writes OUT/<mode>.json (OUT/<mode>_w4.json).
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_branchnorm import checkpoint as ckpt  # noqa: E402
-from megatron_branchnorm.cli import OutputError, claim_output_dir  # noqa: E402
-from megatron_branchnorm.trainer import SAVE_POINTS  # noqa: E402
-from tests.faults.common import (  # noqa: E402
+from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.cli import OutputError, claim_output_dir
+from megatron_branchnorm.experiments.fault_runs import (
     kill_hard_when,
     last_by_step,
     launch,
@@ -36,6 +33,7 @@ from tests.faults.common import (  # noqa: E402
     records,
     wait_all,
 )
+from megatron_branchnorm.trainer import SAVE_POINTS
 
 
 def reference(out: Path, steps: int, world: int = 2) -> Path:
