@@ -18,9 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap
-from megatron_branchnorm.plotting import PlotError, read_metrics, series
+from megatron_branchnorm.launch import LaunchError, deepspeed_command, logged_group
+from megatron_branchnorm.plotting import series
+from megatron_branchnorm.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
@@ -131,18 +130,6 @@ class Status:
         self._last_print = 0.0
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
-    """SIGTERM ``proc``'s process group (ranks checkpoint and exit), SIGKILL it after grace."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def run_logged(
     cmd: list[str],
     log: Path,
@@ -157,25 +144,15 @@ def run_logged(
     ``detail()`` may give (seconds left, text) while the command runs; without it the time left
     is ``expected_s`` minus the elapsed time, or unknown ("?") when ``expected_s`` is None.
     """
-    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    with open(log, "a", encoding="utf-8") as fh:
-        fh.write(f"$ {' '.join(cmd)}\n")
-        fh.flush()
-        # Own process group: an interrupt stops the launcher *and* the ranks it started.
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-        )
-        try:
-            while proc.poll() is None:
-                left, text = detail() if detail else (None, "")
-                if left is None and expected_s is not None:
-                    left = max(0.0, expected_s - (time.time() - start))
-                status.update(label, start, left, text)
-                time.sleep(1.0)
-        except BaseException:
-            stop_group(proc)
-            raise
+    # Own process group: an interrupt stops the launcher *and* the ranks it started.
+    with logged_group(cmd, log, cwd=ROOT, env=env) as proc:
+        while proc.poll() is None:
+            left, text = detail() if detail else (None, "")
+            if left is None and expected_s is not None:
+                left = max(0.0, expected_s - (time.time() - start))
+            status.update(label, start, left, text)
+            time.sleep(1.0)
     if proc.returncode != 0:
         tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
         sys.stderr.write("\n" + "\n".join("  | " + line for line in tail) + "\n")
@@ -211,13 +188,6 @@ def data_matches(data_dir: Path, langs: list[str], vocab_size: int) -> bool:
         return False
     wanted = sorted({*langs, m.get("pivot", "en")})
     return m.get("languages") == wanted and m.get("vocab_size") == vocab_size
-
-
-def free_port() -> int:
-    """A TCP port free on localhost right now (for the ranks' rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def latest_tag(save_dir: Path) -> str:
@@ -333,36 +303,17 @@ def train_leg(
     opts: DemoOptions, args: list[str], minutes: float, label: str, status: Status
 ) -> float:
     """One ``deepspeed --num_gpus R`` launch of the trainer for ``minutes`` of training."""
-    venv_bin = Path(sys.executable).parent
-    launcher = venv_bin / "deepspeed"
-    if not launcher.exists():
-        found = shutil.which("deepspeed")
-        if found is None:
-            raise DemoError("the deepspeed launcher is not installed (pip install deepspeed)")
-        launcher = Path(found)
-    env = dict(os.environ)
-    env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
-    cmd = [
-        str(launcher),
-        "--num_gpus",
-        str(opts.ranks),
-        "--master_port",
-        str(free_port()),
-        "megatron_branchnorm/train.py",
-        *args,
-        f"train.max_time_minutes={minutes}",
-    ]
+    try:
+        cmd, env = deepspeed_command(opts.ranks, [*args, f"train.max_time_minutes={minutes}"])
+    except LaunchError as e:
+        raise DemoError(str(e)) from None
     save_dir = opts.out / "train"
     budget = minutes * 60.0
-    metrics = save_dir / "metrics.jsonl"
-    rows_before = len(read_metrics(save_dir)) if metrics.is_file() else 0
+    rows_before = len(read_metrics(save_dir))
     train_start: list[float] = []
 
     def detail() -> tuple[float | None, str]:
-        try:
-            rows = read_metrics(save_dir)[rows_before:] if metrics.is_file() else []
-        except PlotError:  # a line being written
-            return None, "training"
+        rows = read_metrics(save_dir)[rows_before:]  # a line being written is left out
         steps, losses = series(rows, "loss")
         if not steps:
             return None, "starting the ranks"

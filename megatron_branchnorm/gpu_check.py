@@ -231,7 +231,7 @@ def apex_rows(device: str) -> list[Row]:
 
 def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) -> float:
     """Run train.py on ``world`` ranks (one process each, as srun starts them); seconds."""
-    from megatron_branchnorm.demo import free_port
+    from megatron_branchnorm.launch import free_port
     from megatron_branchnorm.rehearse import rank_env
 
     port, start = free_port(), time.time()

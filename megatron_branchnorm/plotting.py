@@ -10,8 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.training.metrics import MetricsFileError
-from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
+from megatron_branchnorm.training.metrics import MetricsFileError, read_metrics
 
 # (metric key, panel title, log-scale y axis when the values span more than 20x)
 PANELS: tuple[tuple[str, str, bool], ...] = (
@@ -24,12 +23,6 @@ PANELS: tuple[tuple[str, str, bool], ...] = (
 
 PlotError = MetricsFileError
 """A run directory without usable metrics, or labels that do not match the runs: one line."""
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl``, strictly (a line that is not a row is an
-    error naming the file and line)."""
-    return read_run_metrics(run_dir, strict=True)
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -55,7 +48,8 @@ def plot_runs(
     if labels is not None and len(labels) != len(run_dirs):
         raise PlotError(f"{len(labels)} labels for {len(run_dirs)} runs")
     runs = [
-        (labels[i] if labels else Path(d).name, read_metrics(d)) for i, d in enumerate(run_dirs)
+        (labels[i] if labels else Path(d).name, read_metrics(d, strict=True))
+        for i, d in enumerate(run_dirs)
     ]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]

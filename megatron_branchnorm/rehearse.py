@@ -54,7 +54,10 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
-from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
+from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
+from megatron_branchnorm.training.metrics import training_rows
 
 SHRINK: tuple[str, ...] = (
     "model.vocab_size=64",
@@ -81,7 +84,7 @@ LOSS_RTOL = 1e-4
 """S stages vs 1 stage, relative loss per step (docs/design.md §5)."""
 EXPORT_RTOL = 1e-4
 """Export vs checkpoint logits, relative to their largest magnitude."""
-REQUEUE_EXIT_CODE = 75  # megatron_branchnorm.trainer.REQUEUE_EXIT_CODE (not imported: no torch)
+
 EXACT_KEYS = ("loss", "nll_loss", "lr", "alpha", "grad_norm")
 RUNS_FILE = "runs.json"
 SYNTHETIC_LANGS = ("copy", "reverse")
@@ -528,11 +531,7 @@ def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> 
 
 def read_metrics(save_dir: Path) -> list[dict[str, Any]]:
     """The training rows of ``save_dir/metrics.jsonl`` (no validation or skip rows)."""
-    path = save_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    return [r for r in rows if "loss" in r and not r.get("skipped")]
+    return training_rows(read_run_metrics(save_dir))
 
 
 def rel_diff(a: float, b: float) -> float:

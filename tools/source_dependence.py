@@ -4,39 +4,13 @@ language tag (an empty source). A model that has only learnt a target-side langu
 the three alike (docs/demo.md).
 
     python tools/source_dependence.py runs/demo/export/final --data runs/demo/data
+
+The logic lives in megatron_branchnorm/experiments/source_dependence.py.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.analysis import source_dependence  # noqa: E402
-from megatron_branchnorm.data import BatchSampler, TranslationData  # noqa: E402
-from megatron_branchnorm.inference.export import ExportError, load_export  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("export", help="export directory (tools/convert_checkpoint.py)")
-    parser.add_argument("--data", required=True, help="preprocessed data directory")
-    parser.add_argument("--split", default="dev", help="held-out split (default dev)")
-    parser.add_argument("--batches", type=int, default=15, help="batches of 2048 tokens")
-    args = parser.parse_args(argv)
-    try:
-        model, _, _ = load_export(args.export)
-        data = TranslationData(args.data, args.split, max_length=None)
-    except (ExportError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    batches = list(BatchSampler(data, 2048, 1.0, 1, shuffle=False))[: args.batches]
-    res = source_dependence(model, batches)
-    print(" | ".join(f"{k} source {v:.3f}" for k, v in res.items()), "(NLL per target token)")
-    return 0
-
+from megatron_branchnorm.experiments.source_dependence import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,6 @@
-"""tools/depth_study.py without launching DeepSpeed: the divergence criterion, result parsing,
-the cell command (a valid config), resume, the report-only table and PNG, CLI errors."""
+"""The depth study (tools/depth_study.py) without launching DeepSpeed: the divergence
+criterion, result parsing, the cell command (a valid config), resume, the report-only table and
+PNG, CLI errors."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.config import load_config
-
-from ..tool_loader import load_tool
-
-study = load_tool("depth_study")
+from megatron_branchnorm.experiments import depth_study as study
 
 
 def rows(losses, grad=1.0, skipped=0):

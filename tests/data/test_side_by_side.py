@@ -19,9 +19,8 @@ import sentencepiece as spm
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
 from megatron_branchnorm.demo import Status, run_logged
+from megatron_branchnorm.experiments import fairseq_side_by_side
 from megatron_branchnorm.tokens import lang_tag
-
-from ..tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "fairseq_side_by_side.py"
@@ -29,7 +28,7 @@ TOOL = ROOT / "tools" / "fairseq_side_by_side.py"
 
 @pytest.fixture(scope="module")
 def sbs():
-    return load_tool("fairseq_side_by_side")
+    return fairseq_side_by_side
 
 
 def test_dictionary_is_our_vocabulary(sbs, small_data, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.demo import DemoOptions, Status, run_demo
-from tests.inference.test_translate import load_tool
+from megatron_branchnorm.experiments import probe_learning
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT_LINES = {"train": 1500, "dev": 40, "test": 8}
@@ -154,7 +154,7 @@ def test_probe_learning_on_the_demo_data(demo_run, tmp_path: Path, capsys) -> No
     """tools/probe_learning.py trains the flat model on a DATA_DIR and reports NLL, source use
     and BLEU per variant; a bad variant is a one-line error before any training."""
     out, _, _ = demo_run
-    main = load_tool("probe_learning").main
+    main = probe_learning.main
     tiny = "model.encoder_layers=1;model.decoder_layers=1;data.max_length=48;train.micro_batches=1"
     args = ["--config", "demo_cpu", "--data", str(out / "data"), "--device", "cpu"]
     jsonl = tmp_path / "probe.jsonl"

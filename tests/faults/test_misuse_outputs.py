@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -627,12 +628,10 @@ def test_rehearse_overwrite_removes_only_a_rehearsal_workdir(tmp_path):
 def test_research_tools_never_clear_a_users_directory(tmp_path, tool, argv):
     """The research tools replace their own parts of --out on reruns (corpus, data, cells,
     reference runs...): a directory they did not write is refused before anything runs."""
-    from tests.tool_loader import load_tool
-
     home = tmp_path / "home"
     (home / "data").mkdir(parents=True)
     (home / "data" / "notes.txt").write_text("mine")
-    module = load_tool(tool)
+    module = importlib.import_module(f"megatron_branchnorm.experiments.{tool}")
     with pytest.raises(SystemExit) if tool == "fault_sweep" else contextlib.nullcontext():
         code = module.main([*argv, "--out", str(home)])
         assert code == 2

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megatron_branchnorm.analysis import analyze, format_table, pad_batch, shown_layers
+from megatron_branchnorm.experiments import analyze_model
 from megatron_branchnorm.model import build_model
 
 from .helpers import tiny_config
 from .test_evaluate import make_data_dir
-from .test_translate import load_tool
 
 
 def random_batches(vocab: int, n: int = 2, seed: int = 0):
@@ -95,7 +95,7 @@ def test_cli_table_png_json(tmp_path, text_export, capsys):
     data = make_data_dir(tmp_path)
     out_png, out_json = tmp_path / "a.png", tmp_path / "a.json"
     argv = [str(text_export), str(text_export), "--data", str(data), "--labels", "x,y"]
-    code = load_tool("analyze_model").main(
+    code = analyze_model.main(
         [*argv, "--output", str(out_png), "--json", str(out_json), "--max-sentences", "4"]
     )
     stdout = capsys.readouterr().out
@@ -109,7 +109,7 @@ def test_cli_table_png_json(tmp_path, text_export, capsys):
 
 
 def test_cli_errors(tmp_path, text_export, capsys):
-    main = load_tool("analyze_model").main
+    main = analyze_model.main
     data = make_data_dir(tmp_path)
     not_export = tmp_path / "empty"
     not_export.mkdir()

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from ..tool_loader import load_tool
+from megatron_branchnorm.experiments import benchmark as bench
+
 from .test_evaluate import make_data_dir
 
 
 def test_beam_section_on_an_export(tmp_path, text_export):
-    bench = load_tool("benchmark")
     data = make_data_dir(tmp_path, n=5)
     # A random model rarely emits EOS, so every sentence runs to its length limit, and generate
     # has one limit per batch (ours one per sentence): give each direction one source length.
@@ -37,7 +37,6 @@ def test_beam_section_on_an_export(tmp_path, text_export):
 
 
 def test_beam_export_needs_its_data(monkeypatch, capsys):
-    bench = load_tool("benchmark")
     monkeypatch.setattr(sys, "argv", ["benchmark.py", "--sections", "beam", "--beam-export", "x"])
     with pytest.raises(SystemExit) as exc:
         bench.main()

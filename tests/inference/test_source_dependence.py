@@ -7,12 +7,12 @@ import math
 
 import torch
 
+from megatron_branchnorm.experiments import source_dependence as tool
 from megatron_branchnorm.model import build_model  # noqa: E402,I001
 from tests.core.helpers import tiny_config
 
 from .test_analyze_model import random_batches
 from .test_evaluate import make_data_dir
-from .test_translate import load_tool
 
 
 def _as_training_batches(batches):
@@ -22,7 +22,6 @@ def _as_training_batches(batches):
 
 
 def test_a_model_without_cross_attention_does_not_depend_on_its_source():
-    tool = load_tool("source_dependence")
     model = build_model(tiny_config(residual="postln", encoder_layers=1, decoder_layers=1), 1)
     model.eval()
     batches = _as_training_batches(random_batches(40, n=3))
@@ -37,7 +36,7 @@ def test_a_model_without_cross_attention_does_not_depend_on_its_source():
 
 
 def test_cli_errors(tmp_path, text_export, capsys):
-    main = load_tool("source_dependence").main
+    main = tool.main
     data = make_data_dir(tmp_path)  # references only: no indexed splits, an old manifest
     for argv, needle in (
         ([str(tmp_path / "nope"), "--data", str(data)], "nope"),

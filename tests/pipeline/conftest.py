@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.demo import free_port
+from megatron_branchnorm.launch import free_port
 from megatron_branchnorm.rehearse import rank_env  # the environment srun + common.sh give
 
 __all__ = ["ROOT", "free_port", "launch_ranks", "rank_env"]

@@ -1,0 +1,104 @@
+"""Layer-wise analyses of exported models (BranchNorm paper, Figs. 8 and 9): the cosine
+similarity between adjacent layers' representations and the sparsity of the FFN activations,
+per encoder and decoder layer, on a DATA_DIR's held-out sentences (teacher-forced).
+
+    python tools/analyze_model.py runs/study/export/branchnorm runs/study/export/deepnorm \\
+        --data runs/study/data --split test --output analysis.png --json analysis.json
+
+Prints a Markdown table (every layer for shallow models, about 12 rows per stack for deep
+ones; --every K to choose) with the mean over layers and each model's teacher-forced nll, and
+writes a PNG (2x2: cosine and sparsity, encoder and decoder, one line per model). Definitions:
+megatron_branchnorm/analysis.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROG = "analyze_model.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(doc.split("\n\n")[1:]),
+    )
+    p.add_argument(
+        "exports", nargs="+", metavar="EXPORT_DIR", help="tools/convert_checkpoint.py output"
+    )
+    p.add_argument("--data", required=True, help="preprocessed DATA_DIR (its raw dev/test text)")
+    p.add_argument("--split", default="test", help="held-out split (default test)")
+    p.add_argument("--max-sentences", type=int, default=200, help="pairs per direction")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch")
+    p.add_argument("--labels", default=None, help="comma-separated names, one per export")
+    p.add_argument("--output", default="analysis.png", help="PNG to write")
+    p.add_argument("--json", default=None, help="also write the numbers as JSON")
+    p.add_argument("--every", type=int, default=None, help="table row every K layers")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from megatron_branchnorm.analysis import (
+        AnalysisError,
+        analyze,
+        format_table,
+        heldout_batches,
+        plot_analysis,
+    )
+    from megatron_branchnorm.inference.evaluate import EvaluationError
+    from megatron_branchnorm.inference.export import ExportError, load_export
+
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        labels = args.labels.split(",") if args.labels else None
+        if labels is not None and len(labels) != len(args.exports):
+            raise AnalysisError(f"--labels: {len(labels)} names for {len(args.exports)} exports")
+        if args.every is not None and args.every < 1:
+            raise AnalysisError(f"--every must be >= 1, got {args.every}")
+        results = []
+        for i, export in enumerate(args.exports):
+            model, sp, meta = load_export(export)
+            label = labels[i] if labels else f"{meta.get('scheme', '?')}:{Path(export).name}"
+            batches, counts = heldout_batches(
+                model, sp, args.data, args.split, args.max_sentences, args.batch_tokens
+            )
+            stats = analyze(model, batches)
+            stats.update(
+                {
+                    "export": str(export),
+                    "scheme": meta.get("scheme"),
+                    "step": meta.get("step"),
+                    "sentences": counts,
+                }
+            )
+            results.append((label, stats))
+        print(
+            f"{args.split} split of {args.data}: "
+            + ", ".join(f"{k} {v}" for k, v in results[0][1]["sentences"].items())
+            + " sentence pairs"
+        )
+        print(format_table(results, args.every))
+        out = plot_analysis(results, args.output)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({label: r for label, r in results}, indent=1) + "\n", encoding="utf-8"
+            )
+        print(f"wrote {out}" + (f" and {args.json}" if args.json else ""))
+    except (AnalysisError, ExportError, EvaluationError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

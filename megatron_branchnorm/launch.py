@@ -1,0 +1,95 @@
+"""Starting runs from Python: a free rendezvous port, the ``deepspeed`` launch of the trainer,
+and a command in its own process group with its output in a log file, stopped as a whole
+(launcher and ranks) on an interrupt or a timeout.
+
+Used by the demo, the rehearsal and the research harness (``megatron_branchnorm.experiments``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The checkout that holds this package: the working directory of launched runs (configs name
+``ds_configs/...`` relative to it) and the home of the user-facing ``tools/``."""
+
+
+class LaunchError(RuntimeError):
+    """A run could not be started (a one-line message)."""
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now (for the ranks' rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tool_command(name: str) -> list[str]:
+    """The command line that runs the user-facing tool ``tools/<name>.py`` of the checkout
+    with this interpreter."""
+    return [sys.executable, str(CHECKOUT / "tools" / f"{name}.py")]
+
+
+def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``deepspeed --num_gpus R --master_port P --module megatron_branchnorm.train ARGS`` and
+    the environment to run it in (this interpreter's bin/ first on PATH, so the ranks run this
+    Python). Raises LaunchError when no deepspeed launcher is installed."""
+    venv_bin = Path(sys.executable).parent
+    launcher = venv_bin / "deepspeed"
+    if not launcher.exists():
+        found = shutil.which("deepspeed")
+        if found is None:
+            raise LaunchError("the deepspeed launcher is not installed (pip install deepspeed)")
+        launcher = Path(found)
+    env = dict(os.environ)
+    env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    return [*cmd, "--module", "megatron_branchnorm.train", *args], env
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
+    """SIGTERM ``proc``'s process group (ranks checkpoint and exit), SIGKILL it after grace."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def logged_group(
+    cmd: list[str],
+    log: Path,
+    *,
+    cwd: Path = CHECKOUT,
+    env: dict[str, str] | None = None,
+    mode: str = "a",
+) -> Iterator[subprocess.Popen]:
+    """Start ``cmd`` in its own process group with its output in ``log`` (after a ``$ cmd``
+    line; ``mode`` "a" appends, "w" starts the file afresh) and yield the process; an
+    exception in the block (an interrupt, a timeout) stops the whole group before it
+    propagates, so the launcher *and* the ranks it started end."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, mode, encoding="utf-8") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True
+        )
+        try:
+            yield proc
+        except BaseException:
+            stop_group(proc)
+            raise
