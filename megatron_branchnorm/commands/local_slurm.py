@@ -14,14 +14,10 @@ left there. Logic: megatron_branchnorm/local_slurm.py.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_branchnorm.local_slurm import (  # noqa: E402
+from megatron_branchnorm.local_slurm import (
     Cluster,
     ensure_installed,
     start_cluster,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Run the main job end to end on the built-in corpus (what `make demo` does).
 
     python tools/run_demo.py --out runs/demo --langs de,fr --minutes 15
@@ -17,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.demo import DemoError, DemoOptions, fmt_time, run_demo  # noqa: E402
+from megatron_branchnorm.demo import DemoError, DemoOptions, fmt_time, run_demo
 
 PROG = "run_demo.py"
 

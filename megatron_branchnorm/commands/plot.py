@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Plot training curves of one or more runs: loss and validation loss, gradient norm, learning
 rate and BranchNorm alpha against the update step, the runs overlaid, as one PNG.
 
@@ -12,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.plotting import PlotError, plot_runs  # noqa: E402
+from megatron_branchnorm.plotting import PlotError, plot_runs
 
 PROG = "plot_training.py"
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Build the built-in English-centric corpus (OPUS-100 layout) from installed gettext catalogs.
 
     python tools/build_locale_corpus.py --output data/locale_raw --langs de,fr
@@ -10,11 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     UsageError,
     float_flag,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluate an export on every direction of a preprocessed DATA_DIR: sacreBLEU BLEU and chrF
 against the raw references, averages X->En / En->X / all, a table on stdout.
 
@@ -17,11 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     OutputError,
     UsageError,

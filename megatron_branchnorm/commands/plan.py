@@ -13,13 +13,9 @@ with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     UsageError,
     float_flag,
@@ -27,8 +23,8 @@ from megatron_branchnorm.cli import (  # noqa: E402
     run_main,
     write_stdout,
 )
-from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
-from megatron_branchnorm.planner import (  # noqa: E402
+from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.planner import (
     DEFAULT_VOCAB,
     PlanError,
     auto_stages,

@@ -17,9 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     OutputError,
     UsageError,

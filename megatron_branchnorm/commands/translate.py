@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Translate text with an export directory (tools/convert_checkpoint.py): beam search with the
 key/value cache, length penalty as in fairseq, SentencePiece detokenisation.
 
@@ -14,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     OutputError,
     UsageError,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Preprocess an English-centric parallel corpus into a DATA_DIR for training.
 
     python tools/preprocess_data.py --format opus100 --input RAW --langs de,fr \\
@@ -17,11 +16,8 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.cli import (  # noqa: E402
+from megatron_branchnorm.cli import (
     ArgumentParser,
     UsageError,
     float_flag,

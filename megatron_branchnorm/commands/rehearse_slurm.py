@@ -16,18 +16,14 @@ it alone. Logic: megatron_branchnorm/rehearse_slurm.py and megatron_branchnorm/l
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_branchnorm.config import load_config  # noqa: E402
-from megatron_branchnorm.local_slurm import Cluster, ensure_installed, start_cluster  # noqa: E402
-from megatron_branchnorm.rehearse_slurm import (  # noqa: E402
+from megatron_branchnorm.config import load_config
+from megatron_branchnorm.local_slurm import Cluster, ensure_installed, start_cluster
+from megatron_branchnorm.rehearse_slurm import (
     ROOT,
     default_spec,
     format_result,
