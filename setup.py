@@ -8,7 +8,26 @@ setup(
         "parallelism, for multilingual machine translation"
     ),
     packages=find_packages(include=["megatron_branchnorm", "megatron_branchnorm.*"]),
-    package_data={"megatron_branchnorm": ["configs/*.yaml"]},
+    # The shipped configs: --config NAME and train.deepspeed_config=ds_configs/NAME.json find
+    # them inside the package (config.CONFIG_DIR, resources.find_ds_config).
+    package_data={
+        "megatron_branchnorm": ["configs/*.yaml", "ds_configs/*.json", "ds_configs/README.md"]
+    },
+    entry_points={
+        "console_scripts": [
+            "mbn-train=megatron_branchnorm.commands.train:main",
+            "mbn-preprocess=megatron_branchnorm.commands.preprocess:main",
+            "mbn-convert=megatron_branchnorm.commands.convert:main",
+            "mbn-translate=megatron_branchnorm.commands.translate:main",
+            "mbn-evaluate=megatron_branchnorm.commands.evaluate:main",
+            "mbn-plan=megatron_branchnorm.commands.plan:main",
+            "mbn-rehearse=megatron_branchnorm.commands.rehearse:main",
+            "mbn-demo=megatron_branchnorm.commands.demo:main",
+            "mbn-plot=megatron_branchnorm.commands.plot:main",
+            "mbn-corpus=megatron_branchnorm.commands.corpus:main",
+            "mbn-gpu-check=megatron_branchnorm.commands.gpu_check:main",
+        ]
+    },
     python_requires=">=3.10",
     install_requires=[
         # >= 2.6: torch.load(weights_only=True) is the safe default there.

@@ -156,7 +156,9 @@ class TrainConfig:
     log_interval: int = 10
     """Log a metrics line every k updates."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
-    """DeepSpeed JSON: precision and ZeRO stage live there (ds_configs/README.md)."""
+    """DeepSpeed JSON: precision and ZeRO stage live there. ``ds_configs/NAME.json`` names a
+    shipped one (megatron_branchnorm/ds_configs/, its README) from any directory
+    (resources.find_ds_config)."""
     max_consecutive_skips: int = 5
     """fp32: stop (exit 3, no save) after this many consecutive updates skipped for a
     non-finite gradient norm."""

@@ -1,12 +1,12 @@
 """The main job end to end on the built-in corpus (``make demo``; docs/demo.md).
 
-    corpus (tools/build_locale_corpus.py) -> preprocess (tools/preprocess_data.py)
+    corpus (commands/corpus.py) -> preprocess (commands/preprocess.py)
       -> train, 2-stage DeepSpeed pipeline on 2 CPU ranks, in two legs of one run: the first
          ends at ``early_fraction`` of the time budget with a checkpoint (the "early" model),
          the second resumes it exactly and ends at the budget (the "final" model)
-      -> convert both checkpoints (tools/convert_checkpoint.py)
+      -> convert both checkpoints (commands/convert.py)
       -> evaluate both with beam search and sacreBLEU, next to copy-the-source
-      -> plots (tools/plot_training.py) and OUT/report.md
+      -> plots (plotting.py) and OUT/report.md
 
 Every long step shows a status line with the elapsed time and an estimate of the time left;
 each step's output goes to OUT/logs/<step>.log. The corpus and the preprocessed data are reused
@@ -30,8 +30,8 @@ from megatron_branchnorm.launch import LaunchError, deepspeed_command, logged_gr
 from megatron_branchnorm.plotting import series
 from megatron_branchnorm.training.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ROOT / "tools"
+TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
+"""What the deepspeed launcher runs on every rank (megatron_branchnorm/train.py)."""
 
 # Typical durations on a 2-core CPU (seconds), used for the ETA before a step reports progress.
 EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}
@@ -146,7 +146,7 @@ def run_logged(
     """
     start = time.time()
     # Own process group: an interrupt stops the launcher *and* the ranks it started.
-    with logged_group(cmd, log, cwd=ROOT, env=env) as proc:
+    with logged_group(cmd, log, env=env) as proc:
         while proc.poll() is None:
             left, text = detail() if detail else (None, "")
             if left is None and expected_s is not None:
@@ -364,7 +364,8 @@ def prepare_data(
             timings["corpus"] = run_logged(
                 [
                     py,
-                    str(TOOLS / "build_locale_corpus.py"),
+                    "-m",
+                    "megatron_branchnorm.commands.corpus",
                     "--output",
                     str(corpus),
                     "--langs",
@@ -384,7 +385,8 @@ def prepare_data(
         timings["preprocess"] = run_logged(
             [
                 py,
-                str(TOOLS / "preprocess_data.py"),
+                "-m",
+                "megatron_branchnorm.commands.preprocess",
                 "--format",
                 "opus100",
                 "--input",
@@ -429,7 +431,7 @@ def check_demo_out(out: Path, corpus: Path | None) -> None:
 def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
     """Run every step into ``opts.out``; returns what went into ``opts.out/report.md``."""
     status = status or Status()
-    # Absolute paths: the steps run with the checkout as working directory.
+    # Absolute paths: the logs and the report name them whole, wherever the demo was started.
     opts = replace(
         opts, out=opts.out.resolve(), corpus=opts.corpus.resolve() if opts.corpus else None
     )
@@ -492,7 +494,8 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
         run_logged(
             [
                 py,
-                str(TOOLS / "convert_checkpoint.py"),
+                "-m",
+                "megatron_branchnorm.commands.convert",
                 "--checkpoint",
                 str(save_dir),
                 "--tag",

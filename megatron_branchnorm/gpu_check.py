@@ -41,8 +41,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "megatron_branchnorm" / "train.py"
+from megatron_branchnorm.resources import DS_CONFIG_DIR
+
+TRAIN = Path(__file__).resolve().with_name("train.py")
 TOL = {"bf16": {"loss": 1e-2, "grad": 5e-2}, "fp16": {"loss": 2e-3, "grad": 1e-2}}
 PARITY_TOL = 1e-4
 """S stages vs 1 stage, fp32, per step (docs/design.md §5)."""
@@ -146,7 +147,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
     json_name = {"bf16": "zero1_bf16.json", "fp16": "zero1_fp16.json"}
     train = dataclasses.replace(
         cfg.train,
-        deepspeed_config=str(ROOT / "ds_configs" / json_name[precision]),
+        deepspeed_config=str(DS_CONFIG_DIR / json_name[precision]),
         micro_batches=2,
         clip_grad=0.0,
     )
@@ -242,9 +243,7 @@ def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) ->
     for r in range(world):
         log = open(save_dir.parent / f"{save_dir.name}.rank{r}.log", "w")  # noqa: SIM115
         env = {**rank_env(r, world, port), "PYTHONWARNINGS": "ignore"}
-        procs.append(
-            subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        )
+        procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         log = (save_dir.parent / f"{save_dir.name}.rank0.log").read_text()[-1500:]
@@ -267,7 +266,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     ds = "zero1_bf16.json"
     overrides = [*size, "data.dataset=synthetic", "pipeline.stages=1", "train.micro_batches=1",
                  f"train.max_steps={steps}", "train.log_interval=1", "train.eval_interval=0",
-                 "train.save_interval=0", f"train.deepspeed_config=ds_configs/{ds}"]  # fmt: skip
+                 "train.save_interval=0", f"train.deepspeed_config={DS_CONFIG_DIR / ds}"]  # fmt: skip
     _launch(1, overrides, work / "throughput", timeout=1800)
     rows = _updates(work / "throughput")[1:]  # the first update includes warm-up
     tps = statistics.median(r["tokens_per_sec"] for r in rows)

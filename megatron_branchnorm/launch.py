@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-"""The checkout that holds this package: the working directory of launched runs (configs name
-``ds_configs/...`` relative to it) and the home of the user-facing ``tools/``."""
+"""The directory that holds this package: the research harness's working directory in a
+checkout (the benchmark compares this tree with an earlier revision's)."""
 
 
 class LaunchError(RuntimeError):
@@ -34,9 +34,9 @@ def free_port() -> int:
 
 
 def tool_command(name: str) -> list[str]:
-    """The command line that runs the user-facing tool ``tools/<name>.py`` of the checkout
-    with this interpreter."""
-    return [sys.executable, str(CHECKOUT / "tools" / f"{name}.py")]
+    """The command line that runs the user command ``megatron_branchnorm.commands.<name>``
+    with this interpreter (``commands.COMMANDS`` lists them)."""
+    return [sys.executable, "-m", f"megatron_branchnorm.commands.{name}"]
 
 
 def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -73,7 +73,7 @@ def logged_group(
     cmd: list[str],
     log: Path,
     *,
-    cwd: Path = CHECKOUT,
+    cwd: Path | None = None,
     env: dict[str, str] | None = None,
     mode: str = "a",
 ) -> Iterator[subprocess.Popen]:

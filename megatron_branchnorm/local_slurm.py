@@ -10,7 +10,8 @@ so they must resolve; :func:`ensure_resolvable` adds the missing ones to ``/etc/
     cluster.run("sbatch", "--gres=none", "slurm/opus100_1000L.sh")
     cluster.stop()
 
-``tools/local_slurm.py`` is the command line; ``tests/slurm/conftest.py`` the test fixture.
+``commands/local_slurm.py`` is the command line (``tools/local_slurm.py``);
+``tests/slurm/conftest.py`` the test fixture.
 """
 
 from __future__ import annotations

@@ -30,13 +30,12 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_branchnorm.cli import MAX_INT
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
 from megatron_branchnorm.partition import partition_plan, spec_entries
+from megatron_branchnorm.resources import find_ds_config
 
-ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
 
@@ -130,7 +129,7 @@ class Precision:
 
 
 def precision_from_ds_config(path: str) -> Precision:
-    """Read the precision and ZeRO stage from a DeepSpeed JSON (a path or ds_configs/ name).
+    """Read the precision and ZeRO stage from a DeepSpeed JSON (resources.find_ds_config).
 
     bf16 (DeepSpeed's BF16_Optimizer, grad_accum_dtype fp32): bf16 weights, bf16 grads plus the
     fp32 accumulation buffer, fp32 master + m + v. fp16 (ZeRO-1 optimizer): fp16 weights and
@@ -138,9 +137,7 @@ def precision_from_ds_config(path: str) -> Precision:
     A missing, unreadable or malformed file raises ConfigError naming the key and the file.
     """
     key = "config key train.deepspeed_config"
-    p = Path(path)
-    if not p.exists() and not p.is_absolute():
-        p = ROOT / path
+    p = find_ds_config(path)
     if not p.is_file():
         what = "not a file" if p.exists() else "no such file"
         raise ConfigError(f"{key}: {path}: {what}")

@@ -1,7 +1,8 @@
 """Training curves from ``metrics.jsonl``: loss and validation loss, gradient norm, learning
 rate and BranchNorm alpha against the update step, several runs overlaid (PNG, matplotlib).
 
-Used by ``tools/plot_training.py`` and by the demo (``megatron_branchnorm/demo.py``).
+Used by ``commands/plot.py`` (``tools/plot_training.py``) and by the demo
+(``megatron_branchnorm/demo.py``).
 """
 
 from __future__ import annotations

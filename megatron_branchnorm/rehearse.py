@@ -153,7 +153,7 @@ class Plan:
 
 
 def repo_root() -> Path:
-    """The checkout holding this package (slurm/ and ds_configs/ live there)."""
+    """The checkout holding this package (slurm/ lives there; an installed copy has none)."""
     return Path(__file__).resolve().parent.parent
 
 

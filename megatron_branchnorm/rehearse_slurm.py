@@ -9,7 +9,7 @@ requeues itself, resumes and finishes, and ``metrics.jsonl`` has every step exac
 
 The figures (job start to first update, time per update, signal to exit, save, requeue to
 resume, total) come from polling the job's log and metrics file every ``poll`` seconds.
-``tools/rehearse_slurm.py`` is the command line; tests/slurm/test_multinode.py a small case.
+``commands/rehearse_slurm.py`` is the command line; tests/slurm/test_multinode.py a small case.
 """
 
 from __future__ import annotations

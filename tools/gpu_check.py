@@ -8,15 +8,7 @@ built on a networked machine with ``tools/build_wheelhouse.sh`` (README: GPU che
 Exit 0: every check passed; 1: one failed (the table says which); 2: bad input.
 """
 
-from __future__ import annotations
-
-import os
-import sys
-
-if __package__ in (None, ""):  # run as a script: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_branchnorm.gpu_check import main  # noqa: E402
+from megatron_branchnorm.commands.gpu_check import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

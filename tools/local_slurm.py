@@ -11,77 +11,7 @@ names (mbn1..mbnK) are added to /etc/hosts as 127.0.0.1 aliases when they do not
 left there. Logic: megatron_branchnorm/local_slurm.py.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_branchnorm.local_slurm import (  # noqa: E402
-    Cluster,
-    ensure_installed,
-    start_cluster,
-)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("start", "stop", "env", "status"))
-    parser.add_argument("--dir", required=True, type=Path, help="the cluster's directory")
-    parser.add_argument("--nodes", type=int, default=2, help="slurmd daemons (start)")
-    parser.add_argument("--cpus", type=int, default=8, help="CPUs each node announces (start)")
-    parser.add_argument(
-        "--requeue-delay",
-        type=int,
-        default=10,
-        help="seconds before a requeued job may start again (munge cred_expire; SLURM's "
-        "default is 120)",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse, act, print the client environment."""
-    args = parse_args(argv)
-    if args.action == "start":
-        reason = ensure_installed()
-        if reason is not None:
-            print(f"error: SLURM cannot be installed: {reason}", file=sys.stderr)
-            return 1
-        try:
-            cluster = start_cluster(args.dir, args.nodes, args.cpus, args.requeue_delay)
-        except (RuntimeError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        if cluster.hosts_added:
-            print(
-                f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}",
-                file=sys.stderr,
-            )
-        nodes = ", ".join(f"{n}: {s}" for n, s in cluster.node_states().items())
-        print(f"started {len(cluster.nodes)} node(s) x {args.cpus} CPUs ({nodes})", file=sys.stderr)
-    else:
-        try:
-            cluster = Cluster.from_dir(args.dir)
-        except FileNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        if args.action == "stop":
-            cluster.stop()
-            print(f"stopped the cluster in {cluster.root}", file=sys.stderr)
-            return 0
-        if args.action == "status":
-            print(cluster.run("sinfo", "-N", check=False).stdout, end="")
-            print(cluster.run("squeue", check=False).stdout, end="")
-            return 0
-    print(f"export SLURM_CONF={cluster.conf}")
-    return 0
-
+from megatron_branchnorm.commands.local_slurm import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

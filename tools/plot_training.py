@@ -8,43 +8,7 @@ rate and BranchNorm alpha against the update step, the runs overlaid, as one PNG
 Each RUN_DIR is a train.save_dir holding metrics.jsonl.
 """
 
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_branchnorm.plotting import PlotError, plot_runs  # noqa: E402
-
-PROG = "plot_training.py"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="train.save_dir of each run")
-    p.add_argument("--output", default="training.png", help="PNG to write (default training.png)")
-    p.add_argument("--labels", default=None, help="comma-separated legend names, one per run")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    labels = args.labels.split(",") if args.labels else None
-    try:
-        out = plot_runs(args.runs, args.output, labels)
-    except (PlotError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
-
+from megatron_branchnorm.commands.plot import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Raw parallel corpus -> DATA_DIR: cleaned, SentencePiece-encoded, indexed, with a manifest.
 
-Steps (tools/preprocess_data.py is the command line):
+Steps (commands/preprocess.py, run as tools/preprocess_data.py, is the command line):
 
 1. read and validate every input file (:mod:`corpora`) before anything is written;
 2. clean each line (:func:`text.clean`); a pair is dropped, and counted, when a side had

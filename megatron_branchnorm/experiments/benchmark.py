@@ -46,6 +46,7 @@ from pathlib import Path
 from megatron_branchnorm.experiments import bench_anchors, bench_models
 from megatron_branchnorm.hardware import cpu_info, default_dtypes
 from megatron_branchnorm.launch import CHECKOUT, free_port, tool_command
+from megatron_branchnorm.resources import DS_CONFIG_DIR
 
 SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess")
 
@@ -315,7 +316,7 @@ def bench_trainstep(a: argparse.Namespace, work: Path) -> dict:
         trees["base"] = Path(a.base)
     for rnd in range(1 if a.quick else 2):
         for dt in a.dtypes.split(","):
-            ds = CHECKOUT / "ds_configs" / ("cpu_fp32.json" if dt == "fp32" else "zero1_bf16.json")
+            ds = DS_CONFIG_DIR / ("cpu_fp32.json" if dt == "fp32" else "zero1_bf16.json")
             if dt == "bf16":  # ZeRO-1 refuses our AdamW subclass unless told (see performance.md)
                 conf = json.loads(ds.read_text())
                 conf["zero_allow_untested_optimizer"] = True
@@ -576,14 +577,14 @@ def bench_preprocess(a: argparse.Namespace, work: Path) -> dict:
     corpus = work / "corpus"
     if not corpus.exists():
         subprocess.run(
-            [*tool_command("build_locale_corpus"), "--output", str(corpus), "--langs", "de,fr"],
+            [*tool_command("corpus"), "--output", str(corpus), "--langs", "de,fr"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=CHECKOUT,
         )  # fmt: skip
     out_dir = work / "data"
     shutil.rmtree(out_dir, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run(
-        [*tool_command("preprocess_data"), "--format", "opus100",
+        [*tool_command("preprocess"), "--format", "opus100",
          "--input", str(corpus), "--langs", "de,fr", "--output", str(out_dir),
          "--vocab-size", "2000"],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=CHECKOUT,

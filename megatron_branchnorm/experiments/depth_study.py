@@ -244,10 +244,10 @@ def ensure_data(out: Path) -> Path:
         return data
     if not (corpus / "locale_corpus.json").is_file():
         shutil.rmtree(corpus, ignore_errors=True)
-        cmd = [*tool_command("build_locale_corpus"), "--output", str(corpus)]
+        cmd = [*tool_command("corpus"), "--output", str(corpus)]
         subprocess.run([*cmd, "--langs", "de"], check=True, cwd=CHECKOUT)
     shutil.rmtree(data, ignore_errors=True)
-    cmd = [*tool_command("preprocess_data"), "--format", "opus100", "--input"]
+    cmd = [*tool_command("preprocess"), "--format", "opus100", "--input"]
     cmd += [str(corpus), "--langs", "de", "--output", str(data), "--vocab-size", "2000"]
     subprocess.run([*cmd, "--workers", "1", "--no-progress"], check=True, cwd=CHECKOUT)
     return data

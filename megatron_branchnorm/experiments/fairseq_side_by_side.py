@@ -366,7 +366,7 @@ def run_ours(out: Path, scheme: str, opts: argparse.Namespace) -> dict[str, Any]
                 shutil.copytree(out / name, run_dir / name)
         run_step(
             [
-                *tool_command("run_demo"),
+                *tool_command("demo"),
                 *("--out", str(run_dir), "--langs", opts.langs),
                 *("--config", opts.config, "--minutes", str(opts.minutes)),
                 *("--vocab-size", str(opts.vocab_size), "--beam", str(opts.beam)),

@@ -1,5 +1,5 @@
 """Text in, text out: SentencePiece encoding, the target-language tag, batched beam search,
-detokenisation. tools/translate.py and tools/evaluate.py are thin layers over this.
+detokenisation. commands/translate.py and commands/evaluate.py are thin layers over this.
 
     translator = Translator.from_export("exports/run1")
     lines = translator.translate(["Guten Morgen."], src_lang="de", tgt_lang="en")

@@ -13,6 +13,7 @@ import torch
 
 from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.resources import find_ds_config
 
 FP16_ON_CPU_ENV = "MBN_TEST_FP16_ON_CPU"
 """Test-only emulation: with ``1`` here, DeepSpeed's CPU accelerator reports fp16 as
@@ -121,10 +122,7 @@ def check_precision_supported(ds: dict, path: str) -> None:
 
 def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
     """The DeepSpeed JSON with the keys our YAML owns filled in; conflicts are errors."""
-    path = Path(cfg.train.deepspeed_config)
-    if not path.is_file() and not path.is_absolute():
-        shipped = Path(__file__).resolve().parents[2] / path  # relative to the checkout
-        path = shipped if shipped.is_file() else path
+    path = find_ds_config(cfg.train.deepspeed_config)  # a shipped name or a file
     if not path.is_file():
         raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
     try:

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from megatron_branchnorm.commands import evaluate as evaluate_cmd
+from megatron_branchnorm.commands import plan as plan_cmd
+from megatron_branchnorm.commands import translate as translate_cmd
 from megatron_branchnorm.inference.export import save_export
 from megatron_branchnorm.model import build_model
 from tests.inference.helpers import LANGS, sentences, tiny_config, train_spm
 from tests.inference.test_evaluate import make_data_dir
-from tests.tool_loader import load_tool
 
 pytestmark = pytest.mark.faults
 
@@ -65,11 +67,11 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tools():
-    return {name: load_tool(name) for name in ("translate", "evaluate", "plan_memory")}
+    return {"translate": translate_cmd, "evaluate": evaluate_cmd, "plan_memory": plan_cmd}
 
 
 def call(tools, monkeypatch, capsys, tool: str, argv: list[str], stdin: bytes = b""):
-    """(exit code, stdout, stderr) of tools/<tool>.py's main in this process."""
+    """(exit code, stdout, stderr) of tools/<tool>.py's main (its command) in this process."""
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
     try:
         code = tools[tool].main(argv)

@@ -27,10 +27,12 @@ import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import MARKER, read_marker, write_marker
+from megatron_branchnorm.commands import convert as convert_cmd
+from megatron_branchnorm.commands import corpus as corpus_cmd
+from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.rehearse import train_spm
 from tests.data.conftest import make_opus
 from tests.data.test_locale_corpus import _fake_locale
-from tests.tool_loader import load_tool
 
 pytestmark = pytest.mark.faults
 
@@ -41,13 +43,14 @@ TAGS = ("global_step4", "global_step8", "global_step12")
 @pytest.fixture(scope="module")
 def tools():
     return {
-        name: load_tool(name)
-        for name in ("convert_checkpoint", "preprocess_data", "build_locale_corpus")
+        "convert_checkpoint": convert_cmd,
+        "preprocess_data": preprocess_cmd,
+        "build_locale_corpus": corpus_cmd,
     }
 
 
 def call(tools, capsys, tool: str, argv: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of tools/<tool>.py's main in this process."""
+    """(exit code, stdout, stderr) of tools/<tool>.py's main (its command) in this process."""
     try:
         code = tools[tool].main([str(a) for a in argv])
     except SystemExit as exc:  # argparse --help only

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_branchnorm.commands import evaluate as evaluate_cmd
 from megatron_branchnorm.inference.evaluate import (
     EvaluationError,
     averages,
@@ -18,7 +19,6 @@ from megatron_branchnorm.inference.evaluate import (
 )
 
 from .helpers import sentences
-from .test_translate import load_tool
 
 SACREBLEU = Path(sys.executable).with_name("sacrebleu")
 
@@ -119,7 +119,7 @@ def test_averages():
 def test_evaluate_cli_json_hyps_and_sacrebleu_parity(tmp_path, text_export, monkeypatch, capsys):
     data = make_data_dir(tmp_path)
     out_json, hyp_dir = tmp_path / "res" / "test.json", tmp_path / "hyp"
-    code = load_tool("evaluate").main(
+    code = evaluate_cmd.main(
         [
             "--model",
             str(text_export),
@@ -214,7 +214,7 @@ def test_sacrebleu_tokenizer_is_selectable_and_checked():
 
 def test_evaluate_cli_errors(tmp_path, text_export, capsys):
     data = make_data_dir(tmp_path)
-    main = load_tool("evaluate").main
+    main = evaluate_cmd.main
     cases = [
         (["--directions", "fr-en"], "fr-en"),
         (["--split", "valid"], "valid"),
@@ -233,7 +233,7 @@ def test_evaluate_cli_errors(tmp_path, text_export, capsys):
 def test_evaluate_cli_tokenized_bleu(tmp_path, text_export, capsys):
     data = make_data_dir(tmp_path)
     out_json = tmp_path / "tok.json"
-    code = load_tool("evaluate").main(
+    code = evaluate_cmd.main(
         ["--model", str(text_export), "--data", str(data), "--directions", "de-en",
          "--bleu", "tokenized", "--compound-split", "--max-sentences", "3", "--beam", "1",
          "--max-len-a", "0", "--max-len-b", "6", "--threads", "1", "--quiet",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_branchnorm.commands import translate as translate_cmd
 from megatron_branchnorm.inference.translate import (
     SearchOptions,
     TranslateError,
@@ -18,7 +19,7 @@ from megatron_branchnorm.inference.translate import (
 )
 from megatron_branchnorm.tokens import EOS_ID
 
-from ..tool_loader import load_tool
+from ..tool_loader import load_tool  # noqa: F401  (imported from here by other tests)
 from .helpers import sentences
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def run_main(monkeypatch, capsys, argv: list[str], stdin: bytes = b"") -> tuple[
     """(exit code, stdout, stderr) of tools/translate.py's main in this process."""
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
     try:
-        code = load_tool("translate").main([*argv, "--threads", "1"])
+        code = translate_cmd.main([*argv, "--threads", "1"])
     except SystemExit as exc:
         code = exc.code
     out, err = capsys.readouterr()

@@ -224,7 +224,7 @@ def test_ds_json_checks(tmp_path):
         cfg.train.deepspeed_config = str(path)
         with pytest.raises(ConfigError, match=key):
             load_ds_config(cfg, dp=1)
-    cfg.train.deepspeed_config = str(ROOT / "ds_configs" / "cpu_fp32.json")
+    cfg.train.deepspeed_config = str(ROOT / "megatron_branchnorm" / "ds_configs" / "cpu_fp32.json")
     ds = load_ds_config(cfg, dp=2)
     # DeepSpeed would clip at 1.0 when the JSON is silent: we always write it.
     assert ds["gradient_clipping"] == cfg.train.clip_grad

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from megatron_branchnorm.config import load_config
+from megatron_branchnorm.resources import DS_CONFIG_DIR
 from megatron_branchnorm.training.ds_config import load_ds_config
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import ROOT, apt_install
@@ -89,10 +90,10 @@ def test_named_config_and_ds_json_load(name):
     assert ds["train_batch_size"] == cfg.train.micro_batches * (world // stages)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_ds_configs_parse_and_are_documented(path):
     json.loads(path.read_text())
-    assert path.name in (ROOT / "ds_configs" / "README.md").read_text()
+    assert path.name in (DS_CONFIG_DIR / "README.md").read_text()
 
 
 def test_launcher_outside_slurm_refuses(tmp_path):

@@ -1,0 +1,162 @@
+"""Convert a DeepSpeed pipeline checkpoint into an export directory for inference.
+
+    python tools/convert_checkpoint.py --checkpoint runs/tiny --output exports/tiny
+    python tools/convert_checkpoint.py --checkpoint runs/x --tag global_step4000 --average-last 5 \\
+        --output exports/x --format hf
+    python tools/convert_checkpoint.py --checkpoint runs/x --average-best 3 --output exports/best3
+
+Reads a checkpoint written with any number of pipeline stages, verifies its checksums, builds
+the flat model, folds the residual scheme into a plain Post-LN model where it can (Pre-LN stays
+Pre-LN) and writes model.safetensors, config.yaml, spm.model and export.json. ``--format hf``
+writes a Hugging Face MarianMTModel directory instead (checked by loading it back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_branchnorm.cli import (
+    ArgumentParser,
+    OutputError,
+    UsageError,
+    check_parent_dir,
+    int_flag,
+    refuse_overlap,
+    run_main,
+)
+
+PROG = "convert_checkpoint.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (numbers range-checked by argparse)."""
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="train.save_dir of the run")
+    parser.add_argument(
+        "--tag", default=None, help="global_stepN, or best (train.keep_best; default: latest)"
+    )
+    parser.add_argument("--output", required=True, help="export directory to create")
+    parser.add_argument("--format", choices=("native", "hf"), default="native")
+    parser.add_argument(
+        "--average-last",
+        type=int_flag(1, 10_000),
+        default=1,
+        metavar="K",
+        help="average the last K complete checkpoints up to --tag",
+    )
+    parser.add_argument(
+        "--average-best",
+        type=int_flag(1, 10_000),
+        default=0,
+        metavar="K",
+        help="average the K best checkpoints by validation loss (best.json, train.keep_best)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output that this tool wrote (an export), nothing else",
+    )
+    parser.add_argument(
+        "--repartition",
+        type=int_flag(1, 10_000),
+        default=None,
+        metavar="STAGES",
+        help="instead of exporting, write a training checkpoint re-laid out "
+        "for STAGES pipeline stages into --output (a new save_dir)",
+    )
+    args = parser.parse_args(argv)
+    if args.average_best and (args.average_last != 1 or args.tag is not None):
+        raise UsageError("--average-best takes neither --average-last nor --tag")
+    if args.repartition is not None:
+        if args.overwrite:
+            raise UsageError(
+                "--overwrite does not apply to --repartition: a re-laid checkpoint goes into a "
+                "new save_dir and never replaces one"
+            )
+        if args.average_last != 1 or args.average_best or args.format != "native":
+            raise UsageError("--repartition takes none of --average-last, --average-best, --format")
+    return args
+
+
+def _convert(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    from megatron_branchnorm.inference.convert import (
+        checkpoint_vocabulary,
+        dataset_of,
+        load_pipeline_checkpoint,
+        repartition_checkpoint,
+        resolve_tags,
+    )
+    from megatron_branchnorm.inference.export import prepare_export_dir, save_export
+
+    save_dir = Path(args.checkpoint)
+    check_parent_dir(args.output, "--output")
+    if args.repartition is not None:
+        out = repartition_checkpoint(save_dir, args.output, args.repartition, args.tag)
+        print(f"wrote {out}: checkpoint for {args.repartition} stage(s)")
+        return 0
+    # Before any work: the output must not overlap the run or its data, and --overwrite
+    # only ever replaces a directory this tool wrote.
+    refuse_overlap(args.output, [("--checkpoint", save_dir)], "--output")
+    tags = resolve_tags(save_dir, args.tag, args.average_last, args.average_best)
+    inputs = [
+        ("--checkpoint", save_dir),
+        ("the checkpoint's data.dataset", dataset_of(save_dir / tags[-1])),
+    ]
+    if args.format == "native":
+        prepare_export_dir(args.output, args.overwrite, "--output", inputs)
+    else:
+        from megatron_branchnorm.cli import prepare_output
+        from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
+
+        prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
+    model, meta = load_pipeline_checkpoint(save_dir, tags[-1], args.average_last, args.average_best)
+    vocab = checkpoint_vocabulary(save_dir, meta["averaged"] or [meta["tag"]])
+    for warning in vocab.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    meta["languages"] = vocab.languages
+    meta["vocab"] = vocab.provenance()
+    if args.format == "native":
+        out = save_export(model, args.output, vocab.spm_path, meta, overwrite=args.overwrite)
+        print(f"wrote {out} (step {model.step}, {model.cfg.residual})")
+        return 0
+    from megatron_branchnorm.inference.hf_export import export_hf
+
+    result = export_hf(model, args.output, vocab.spm_path, overwrite=args.overwrite, inputs=inputs)
+    print(
+        f"wrote {args.output} (Hugging Face MarianMTModel; max |logit diff| "
+        f"{result['max_abs_diff']:.2e})"
+    )
+    return 0
+
+
+def _with_errors(argv: list[str] | None) -> int:
+    from megatron_branchnorm.checkpoint import CheckpointError
+    from megatron_branchnorm.config import ConfigError
+    from megatron_branchnorm.inference.convert import ConvertError
+    from megatron_branchnorm.inference.export import ExportError
+    from megatron_branchnorm.inference.hf_export import HFExportError
+
+    errors = (
+        ConvertError,
+        CheckpointError,
+        ConfigError,
+        ExportError,
+        HFExportError,
+        OutputError,
+        UsageError,
+    )
+    return run_main(_convert, argv, errors=errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a flag, the checkpoint, an output over an input) is one line ``error: ...``
+    and exit 2; Ctrl-C (even during the torch import) exits 130; outputs appear only when
+    complete."""
+    return run_main(_with_errors, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

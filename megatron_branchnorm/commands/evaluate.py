@@ -1,0 +1,149 @@
+"""Evaluate an export on every direction of a preprocessed DATA_DIR: sacreBLEU BLEU and chrF
+against the raw references, averages X->En / En->X / all, a table on stdout.
+
+    python tools/evaluate.py --model exports/run1 --data data/opus100 --split test \\
+        --json results/test.json --hyp-dir results/hyp
+    python tools/evaluate.py --model exports/multiun --data data/multiun --split test --lowercase
+
+Cased sacreBLEU by default (OPUS-100); --lowercase for MultiUN; --tokenize picks sacreBLEU's
+tokenizer (default: by target language: zh; ja-mecab or char; 13a otherwise); --bleu tokenized
+[--compound-split] is the tokenized BLEU of the WMT14 En-Fr and WMT17 En-De papers. The
+signature of every score is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_branchnorm.cli import (
+    ArgumentParser,
+    OutputError,
+    UsageError,
+    int_flag,
+    quote,
+    run_main,
+    write_stdout,
+    write_text_output,
+)
+
+PROG = "evaluate.py"
+SPLITS = ("dev", "test")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_branchnorm.inference.translate import add_search_args
+
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="export directory")
+    p.add_argument("--data", required=True, help="preprocessed DATA_DIR (manifest.json)")
+    p.add_argument("--split", default="test", choices=SPLITS, help="dev or test (default test)")
+    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
+    p.add_argument(
+        "--bleu",
+        choices=("sacrebleu", "tokenized"),
+        default="sacrebleu",
+        help="sacrebleu: on detokenised text (OPUS-100, MultiUN); tokenized: Moses-tokenised "
+        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De)",
+    )
+    p.add_argument(
+        "--tokenize",
+        default=None,
+        help="sacreBLEU's tokenizer: 13a, intl, zh, ja-mecab, char, flores200, ... "
+        "(default: by target language)",
+    )
+    p.add_argument(
+        "--compound-split",
+        action="store_true",
+        help="with --bleu tokenized: a-b -> a ##AT##-##AT## b (customary for En-De)",
+    )
+    p.add_argument("--json", default=None, help="write the report as JSON to this file")
+    p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
+    p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
+    p.add_argument(
+        "--max-sentences", type=int_flag(1), default=None, help="first N sentences per direction"
+    )
+    add_search_args(p, nbest=False)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def _evaluate(argv: list[str] | None) -> int:
+    import torch
+
+    from megatron_branchnorm.inference.evaluate import (
+        EvaluationError,
+        Scoring,
+        check_outputs,
+        evaluate,
+        format_table,
+        pivot_language,
+        references_from_manifest,
+        select_directions,
+    )
+    from megatron_branchnorm.inference.translate import SearchOptions, Translator
+
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    opts = SearchOptions(
+        args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
+    )
+    opts.check()
+    scoring = Scoring(args.bleu, args.tokenize, args.lowercase, args.compound_split)
+    scoring.check()  # before any translation: an unknown or missing tokenizer is one line
+    wanted = None
+    if args.directions is not None:
+        wanted = list(dict.fromkeys(x.strip() for x in args.directions.split(",") if x.strip()))
+        if not wanted:
+            raise EvaluationError(f"--directions {quote(args.directions)}: names no direction")
+    directions = select_directions(references_from_manifest(args.data, args.split), wanted)
+    # Before any work: no output may overwrite the data, its references or the export.
+    check_outputs(args.json, args.hyp_dir, directions, args.data, args.model)
+    translator = Translator.from_export(args.model)
+    for d in directions:
+        translator.check_languages(d.src_lang, d.tgt_lang)
+
+    def progress(name: str, total: int):
+        if args.quiet:
+            return None
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="sent", desc=name, file=sys.stderr, leave=False)
+        return bar.update
+
+    report = evaluate(
+        translator,
+        directions,
+        opts,
+        args.lowercase,
+        args.hyp_dir,
+        args.max_sentences,
+        pivot_language(args.data),
+        progress,
+        scoring,
+    )
+    if args.json:
+        write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_stdout(format_table(report) + "\n")
+    return 0
+
+
+def _with_errors(argv: list[str] | None) -> int:
+    from megatron_branchnorm.inference.evaluate import EvaluationError
+    from megatron_branchnorm.inference.export import ExportError
+    from megatron_branchnorm.inference.translate import TranslateError
+
+    errors = (EvaluationError, ExportError, TranslateError, UsageError, OutputError)
+    return run_main(_evaluate, argv, errors=errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a flag, the data, the export, an output over an input) is one line
+    ``error: ...`` and exit 2; Ctrl-C exits 130; outputs appear only when complete."""
+    return run_main(_with_errors, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Plan GPU memory and pipeline bubble for a config before launching it; builds no model.
+
+    python tools/plan_memory.py --config opus100_1000L --gpus 32 --gpu-memory 40GB
+    python tools/plan_memory.py --config opus100_1000L --gpus 8 --gpu-memory 80GB --stages 8
+    python tools/plan_memory.py --config opus100_200L --gpus 8 --gpu-memory 80GB --stages auto
+
+Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
+with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
+``total parameters: X.XXB``. ``section.key=value`` overrides apply as in train.py. Exit codes:
+0 fits, 1 does not fit, 2 bad input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in megatron_branchnorm/planner.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_branchnorm.cli import (
+    ArgumentParser,
+    UsageError,
+    float_flag,
+    int_flag,
+    run_main,
+    write_stdout,
+)
+from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.planner import (
+    DEFAULT_VOCAB,
+    PlanError,
+    auto_stages,
+    format_plan,
+    parse_memory,
+    plan_run,
+)
+
+
+def _stages(text: str) -> int | str:
+    return "auto" if text == "auto" else int_flag(1)(text)
+
+
+def _size(allow_zero: bool):
+    def parse(text: str) -> float:
+        try:
+            return parse_memory(text, "value", allow_zero)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    parser = ArgumentParser(
+        prog="plan_memory.py",
+        description="Per-stage memory, ZeRO-1 optimizer state, activations and pipeline bubble "
+        "of a config on N GPUs (no model is built).",
+    )
+    parser.add_argument("--config", required=True, help="YAML path or shipped config name")
+    parser.add_argument("--gpus", type=int_flag(1), required=True, help="total GPUs (world size)")
+    parser.add_argument(
+        "--gpu-memory",
+        type=_size(allow_zero=False),
+        default="80GB",
+        help="memory per GPU, e.g. 40GB, 80GB",
+    )
+    parser.add_argument(
+        "--stages",
+        type=_stages,
+        default=None,
+        help="pipeline stages (default: the config's); 'auto' = fewest that fit",
+    )
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int_flag(1),
+        default=None,
+        help="tokens per micro-batch (default: data.max_tokens)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int_flag(1),
+        default=None,
+        help="micro-batches per update (default: train.micro_batches)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int_flag(1),
+        default=DEFAULT_VOCAB,
+        help="vocabulary when the config leaves it to the data manifest",
+    )
+    parser.add_argument(
+        "--overhead",
+        type=_size(allow_zero=True),
+        default="3GB",
+        help="fixed per-GPU overhead: CUDA context, NCCL buffers, fragmentation",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float_flag(1e-9),
+        default=100.0,
+        help="sustained TFLOP/s per GPU for the time estimate",
+    )
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    return parser.parse_args(argv)
+
+
+def _plan(argv: list[str] | None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.config, args.overrides)
+    kwargs = dict(
+        micro_batch_tokens=args.micro_batch_tokens,
+        micro_batches=args.micro_batches,
+        vocab_size=args.vocab_size,
+        overhead=args.overhead,
+        tflops=args.tflops,
+        config_name=args.config,
+    )
+    if args.stages == "auto":
+        plan = auto_stages(cfg, args.gpus, args.gpu_memory, **kwargs)
+    else:
+        plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
+    write_stdout(format_plan(plan) + "\n")
+    return 0 if plan.fits() else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, plan, print. Bad input is one line ``error: ...`` and exit 2."""
+    return run_main(_plan, argv, errors=(ConfigError, PlanError, UsageError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

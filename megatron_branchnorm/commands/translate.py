@@ -1,0 +1,121 @@
+"""Translate text with an export directory (tools/convert_checkpoint.py): beam search with the
+key/value cache, length penalty as in fairseq, SentencePiece detokenisation.
+
+    python tools/translate.py --model exports/run1 --src-lang de --tgt-lang en < in.de > out.en
+    python tools/translate.py --model exports/run1 --src-lang en --tgt-lang fr \\
+        --input test.en --output test.fr --beam 5 --lenpen 1.0
+
+One output line per input line (an empty input line gives an empty output line). With
+``--nbest K`` (K > 1) each input line gives K lines ``index<TAB>rank<TAB>score<TAB>text``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_branchnorm.cli import (
+    ArgumentParser,
+    OutputError,
+    UsageError,
+    check_output_file,
+    run_main,
+    stdin_is,
+    write_stdout,
+    write_text_output,
+)
+
+PROG = "translate.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_branchnorm.inference.translate import add_search_args
+
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="export directory (model.safetensors, ...)")
+    p.add_argument("--src-lang", required=True, help="source language code, e.g. de")
+    p.add_argument("--tgt-lang", required=True, help="target language code, e.g. en")
+    p.add_argument("--input", default=None, help="input text file (default: stdin)")
+    p.add_argument("--output", default=None, help="output file (default: stdout)")
+    add_search_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _translate(argv: list[str] | None) -> int:
+    import torch
+
+    from megatron_branchnorm.inference.translate import (
+        SearchOptions,
+        Translator,
+        format_nbest,
+        read_lines,
+        warn,
+    )
+
+    args = parse_args(argv)
+    to_file = args.output not in (None, "-")
+    from_file = args.input not in (None, "-")
+    if to_file:
+        # Before any work: an output over the input or the export would destroy it.
+        check_output_file(
+            args.output,
+            "--output",
+            [("--input", args.input if from_file else None), ("--model", args.model)],
+        )
+        if not from_file and stdin_is(args.output):
+            raise OutputError(f"--output {args.output}: is the file stdin reads from")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    opts = SearchOptions(
+        args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.nbest, args.batch_tokens
+    )
+    opts.check()  # --nbest <= --beam (each flag's own range is checked by argparse)
+    translator = Translator.from_export(args.model)
+    translator.check_languages(args.src_lang, args.tgt_lang)
+    lines = read_lines(args.input)
+    bar = None
+    if from_file and not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(lines), unit="sent", desc="translate", file=sys.stderr)
+    try:
+        hyps = translator.translate_hypotheses(
+            lines, args.src_lang, args.tgt_lang, opts, bar.update if bar is not None else None
+        )
+    finally:
+        if bar is not None:
+            bar.close()  # before any error line
+    if translator.truncated:
+        warn(
+            f"{translator.truncated} input line(s) longer than the model's "
+            f"{translator.model.cfg.max_positions} positions were cut"
+        )
+    if args.nbest == 1:
+        out = [translator.decode(h[0].tokens) if h else "" for h in hyps]
+    else:
+        out = [x for i, h in enumerate(hyps) for x in format_nbest(i, h, translator.decode)]
+    text = "".join(line + "\n" for line in out)
+    if to_file:
+        write_text_output(args.output, text)
+    else:
+        write_stdout(text)
+    return 0
+
+
+def _with_errors(argv: list[str] | None) -> int:
+    from megatron_branchnorm.inference.export import ExportError
+    from megatron_branchnorm.inference.translate import TranslateError
+
+    errors = (ExportError, TranslateError, UsageError, OutputError)
+    return run_main(_translate, argv, errors=errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a flag, a file, a language) is one line ``error: ...`` and exit 2; Ctrl-C
+    (even during the torch import) exits 130; the output file appears only when complete."""
+    return run_main(_with_errors, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
