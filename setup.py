@@ -32,7 +32,7 @@ setup(
     install_requires=[
         # >= 2.6: torch.load(weights_only=True) is the safe default there.
         "torch>=2.6",
-        # The pipeline adapter overrides PipelineModule._partition_layers (DESIGN.md §8).
+        # The pipeline adapter overrides PipelineModule._partition_layers (docs/design.md §1, §2).
         "deepspeed>=0.19.8,<0.20",
         "sentencepiece>=0.2",
         "sacrebleu>=2.4",

@@ -70,7 +70,7 @@ def heldout_batches(
     """Batches of the first ``max_sentences`` pairs of every direction of a DATA_DIR's raw
     ``split`` references (source ``<2tgt> pieces </s>``, as in translation), and the number of
     sentences per direction. Sequences are cut to the model's position table."""
-    from megatron_branchnorm.inference.evaluate import _read, references_from_manifest
+    from megatron_branchnorm.inference.evaluate import read_lines, references_from_manifest
     from megatron_branchnorm.inference.translate import language_tags
 
     if max_sentences < 1:
@@ -87,7 +87,7 @@ def heldout_batches(
                 f"{name}: the export's spm.model has no tag <2{d.tgt_lang}> "
                 f"(languages: {', '.join(sorted(tags)) or 'none'})"
             )
-        src_lines, tgt_lines = _read(d.src_path), _read(d.ref_path)
+        src_lines, tgt_lines = read_lines(d.src_path), read_lines(d.ref_path)
         if len(src_lines) != len(tgt_lines):
             raise AnalysisError(
                 f"{d.ref_path}: {len(tgt_lines)} lines but {d.src_path} has {len(src_lines)}"

@@ -30,9 +30,6 @@ from megatron_branchnorm.launch import LaunchError, deepspeed_command, logged_gr
 from megatron_branchnorm.plotting import series
 from megatron_branchnorm.training.metrics import read_metrics
 
-TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
-"""What the deepspeed launcher runs on every rank (megatron_branchnorm/train.py)."""
-
 # Typical durations on a 2-core CPU (seconds), used for the ETA before a step reports progress.
 EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}
 
@@ -201,16 +198,16 @@ def latest_tag(save_dir: Path) -> str:
 def copy_source_scores(data_dir: Path, max_sentences: int) -> dict[str, Any]:
     """The evaluation report of the identity "translation" (the source as hypothesis)."""
     from megatron_branchnorm.inference.evaluate import (
-        _read,
         averages,
         pivot_language,
+        read_lines,
         references_from_manifest,
         score_direction,
     )
 
     results = {}
     for name, d in references_from_manifest(data_dir, "test").items():
-        src, ref = _read(d.src_path)[:max_sentences], _read(d.ref_path)[:max_sentences]
+        src, ref = read_lines(d.src_path)[:max_sentences], read_lines(d.ref_path)[:max_sentences]
         results[name] = score_direction(src, ref, d.tgt_lang)
     return {"directions": results, "averages": averages(results, pivot_language(data_dir))}
 
@@ -618,15 +615,15 @@ def loss_summary(rows: list[dict[str, Any]]) -> list[str]:
 
 def examples(out: Path, data: Path, n: int = 2) -> list[str]:
     """A few source / reference / final-hypothesis triples per direction."""
-    from megatron_branchnorm.inference.evaluate import _read, references_from_manifest
+    from megatron_branchnorm.inference.evaluate import read_lines, references_from_manifest
 
     lines = []
     for name, d in references_from_manifest(data, "test").items():
         hyp_file = out / "eval" / "hyp_final" / f"{name}.txt"
         if not hyp_file.is_file():
             continue
-        hyps = _read(hyp_file)
-        src, ref = _read(d.src_path), _read(d.ref_path)
+        hyps = read_lines(hyp_file)
+        src, ref = read_lines(d.src_path), read_lines(d.ref_path)
         lines.append(f"**{_arrow(name)}**")
         lines.append("")
         for i in range(min(n, len(hyps))):

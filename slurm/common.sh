@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared body of the sbatch launchers in slurm/ (sourced by them, never run on its own).
 #
-# One process per rank through `srun` (DESIGN.md §8: the `deepspeed` launcher swallows
+# One process per rank through `srun` (docs/design.md §12: the `deepspeed` launcher swallows
 # SIGUSR1 and the requeue exit code). Each rank's RANK/WORLD_SIZE/LOCAL_RANK come from
 # SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (megatron_branchnorm.training.environment.setup_process_env);
 # MASTER_ADDR is the job's first node, MASTER_PORT derives from the job id. On SIGUSR1 (sent

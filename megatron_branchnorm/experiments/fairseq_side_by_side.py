@@ -238,9 +238,9 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
         prepare_anchor_env,
     )
     from megatron_branchnorm.inference.evaluate import (
-        _read,
         averages,
         pivot_language,
+        read_lines,
         references_from_manifest,
         score_direction,
     )
@@ -297,8 +297,8 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
     hyp_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
     for name, d in references_from_manifest(data, "test").items():
-        src = _read(d.src_path)[: opts.eval_sentences]
-        ref = _read(d.ref_path)[: opts.eval_sentences]
+        src = read_lines(d.src_path)[: opts.eval_sentences]
+        ref = read_lines(d.ref_path)[: opts.eval_sentences]
         inp = fs / "eval" / f"{name}.{SRC}"
         inp.parent.mkdir(parents=True, exist_ok=True)
         inp.write_text(

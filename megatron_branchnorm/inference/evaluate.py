@@ -258,9 +258,6 @@ def read_lines(path: Path) -> list[str]:
         raise EvaluationError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
-_read = read_lines  # old private name: analysis.py, demo.py, tools/fairseq_side_by_side.py
-
-
 def hypothesis_path(hyp_dir: str | Path, d: DirectionData) -> Path:
     """Where ``--hyp-dir`` receives direction ``d``'s hypotheses."""
     return Path(hyp_dir) / f"{d.name}.txt"

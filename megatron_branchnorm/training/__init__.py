@@ -1,4 +1,4 @@
-"""The training loop and its parts (docs/design.md §1). Each part owns one concern and
+"""The training loop and its parts (docs/design.md §9). Each part owns one concern and
 decides for itself when it is due; :class:`trainer.Trainer` only calls them.
 
 - ``trainer``: the Trainer (build, resume, the loop) and ``run``;

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_branchnorm.config import ConfigError
+from megatron_branchnorm.launch import free_port
 
 
 def setup_process_env() -> None:
@@ -29,9 +29,7 @@ def setup_process_env() -> None:
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in env:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                env["MASTER_PORT"] = str(sock.getsockname()[1])
+            env["MASTER_PORT"] = str(free_port())
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")

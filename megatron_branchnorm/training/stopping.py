@@ -99,8 +99,8 @@ class NonfiniteSkips:
     def applied(self) -> None:
         self.consecutive = 0
 
-    def record(self, t: int, step: int, where, loss_scale: float, ids_hash: str) -> bool:
-        """Update ``t`` was skipped at ``step``; ``where`` is (stage, module) of the first
+    def stop_after_skip(self, t: int, step: int, where, loss_scale: float, ids_hash: str) -> bool:
+        """Record that update ``t`` was skipped at ``step``; ``where`` is (stage, module) of the first
         non-finite gradient when known. True when the run must stop."""
         from megatron_branchnorm import checkpoint as ckpt
 

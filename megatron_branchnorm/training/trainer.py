@@ -214,7 +214,7 @@ class Trainer:
         while self.step < max_steps:
             t = self.step + 1
             applied = self._update(t)
-            if not applied and self.skips.record(
+            if not applied and self.skips.stop_after_skip(
                 t, self.step, self._nonfinite_at(), self._loss_scale(), self.ids_hash
             ):
                 exit_code = NONFINITE_EXIT_CODE

@@ -1,4 +1,4 @@
-"""The whole chain on a tiny corpus (DESIGN.md §10 budget: <= 3 min on 2 cores):
+"""The whole chain on a tiny corpus (docs/design.md §4 budget: <= 3 min on 2 cores):
 locale corpus -> preprocess -> 2-stage DeepSpeed training (2 CPU ranks, early + final
 checkpoint) -> convert -> evaluate -> report.md with a BLEU row per direction, and the plots."""
 

@@ -1,5 +1,5 @@
 """Session fixtures of the fault suite: each starts its gloo ranks once and many tests read
-the result (DESIGN.md §10: one shared harness, fault suite <= 6 minutes)."""
+the result (docs/design.md §4: one shared harness, fault suite <= 6 minutes)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def test_data_parallel_update_equals_one_replica(dp2_runs, fault_harness):
     """Dropout 0: 2 stages x 2 replicas with one micro-batch each against 2 stages x 1 replica
     with both micro-batches. Same loss at update 1 (same weights and samples: each replica
     computed its own share), same gradient norm (the loss normalised per target token of the
-    whole update, not per replica), later updates equal up to summation order (DESIGN.md §10)."""
+    whole update, not per replica), later updates equal up to summation order (docs/design.md §5)."""
     dp, one = last_by_step(dp2_runs[0] / "dp_equiv"), last_by_step(fault_harness / "dp_equiv")
     assert sorted(dp) == sorted(one) == list(range(1, EQUIV_STEPS + 1))
     assert dp[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-6)

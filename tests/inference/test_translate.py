@@ -19,7 +19,6 @@ from megatron_branchnorm.inference.translate import (
 )
 from megatron_branchnorm.tokens import EOS_ID
 
-from ..tool_loader import load_tool  # noqa: F401  (imported from here by other tests)
 from .helpers import sentences
 
 ROOT = Path(__file__).resolve().parents[2]

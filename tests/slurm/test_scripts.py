@@ -1,4 +1,4 @@
-"""Static checks of the sbatch launchers: syntax, shellcheck, the SLURM directives DESIGN.md §8
+"""Static checks of the sbatch launchers: syntax, shellcheck, the SLURM directives docs/design.md §12
 requires, and that every config and DeepSpeed JSON they name exists and loads."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """slurm/tiny_cpu.sh on one node of a real SLURM: a job runs to completion, and a job signalled
 with SIGUSR1 checkpoints, requeues itself and finishes with a continuous metrics log that
-equals the uninterrupted run's (DESIGN.md §6, §8, §10)."""
+equals the uninterrupted run's (docs/design.md §3, §12, §5)."""
 
 from __future__ import annotations
 
