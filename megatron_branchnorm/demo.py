@@ -449,7 +449,7 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
 
     # 1-2. corpus and DATA_DIR
     data = prepare_data(out, opts.corpus, langs, opts.vocab_size, status, timings)
-    # 3. train, two legs of one run
+    # 3-4. train, two legs of one run
     save_dir = out / "train"
     for stale in (save_dir, out / "export", out / "eval", logs / "train.log"):
         if stale.is_dir():
@@ -485,7 +485,7 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
         status,
     )
     tags["final"] = latest_tag(save_dir)
-    # 4. convert
+    # 5. convert
     t0 = time.time()
     for i, (name, tag) in enumerate(tags.items()):
         run_logged(
@@ -506,7 +506,7 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
             EXPECTED_S["convert"],
         )
     timings["convert"] = time.time() - t0
-    # 5. evaluate
+    # 6. evaluate
     t0 = time.time()
     reports = {"copy-source": copy_source_scores(data, opts.eval_sentences)}
     for name in tags:
@@ -525,7 +525,7 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
         json.dumps(reports["copy-source"], indent=2) + "\n", encoding="utf-8"
     )
     timings["evaluate"] = time.time() - t0
-    # 6. plots and report
+    # 7. plots and report
     from megatron_branchnorm.plotting import plot_runs
 
     t0 = time.time()

@@ -1,8 +1,7 @@
 """Variable batch shapes in DeepSpeed's pipeline: dynamic_shape=True vs fixed bucket shapes.
 
-    python tools/bench_pipeline_shapes.py --steps 30          # starts 2 gloo ranks itself
-
-The logic lives in megatron_branchnorm/experiments/bench_pipeline_shapes.py.
+Front door: `python tools/bench_pipeline_shapes.py --help` gives the usage; the code is
+megatron_branchnorm/experiments/bench_pipeline_shapes.py.
 """
 
 import sys

@@ -1,9 +1,7 @@
 """Side-by-side performance benchmark against fairseq, torchscale and torch.nn.Transformer.
 
-    python tools/benchmark.py --quick                       # ~ a few minutes on 2 cores
-    python tools/benchmark.py --sections model,trainstep --rounds 5 --json out.json
-
-The logic lives in megatron_branchnorm/experiments/benchmark.py.
+Front door: `python tools/benchmark.py --help` gives the usage; the code is
+megatron_branchnorm/experiments/benchmark.py.
 """
 
 import sys

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Build the built-in English-centric corpus (OPUS-100 layout) from installed gettext catalogs.
 
-    python tools/build_locale_corpus.py --output data/locale_raw --langs de,fr
-    python tools/preprocess_data.py --format opus100 --input data/locale_raw --langs de,fr \\
-        --output data/locale --vocab-size 8000
+Front door: `python tools/build_locale_corpus.py --help` gives the usage; the code is
+megatron_branchnorm/commands/corpus.py.
 """
 
 from megatron_branchnorm.commands.corpus import main

@@ -3,9 +3,8 @@ sentences with the true source, with the sources shuffled across the batch, and 
 language tag (an empty source). A model that has only learnt a target-side language model scores
 the three alike (docs/demo.md).
 
-    python tools/source_dependence.py runs/demo/export/final --data runs/demo/data
-
-The logic lives in megatron_branchnorm/experiments/source_dependence.py.
+Front door: `python tools/source_dependence.py --help` gives the usage; the code is
+megatron_branchnorm/experiments/source_dependence.py.
 """
 
 import sys
