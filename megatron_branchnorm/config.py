@@ -150,9 +150,12 @@ class TrainConfig:
     """Keep the last k complete checkpoints and remove older ones; 0 keeps every checkpoint.
     The one a resume loads is always kept (megatron_branchnorm/retention.py)."""
     keep_best: int = 0
-    """Also keep the k checkpoints with the lowest validation loss at their step, named in
-    ``save_dir/best.json``; eval_interval must divide save_interval (without validation,
-    nothing is scored and only keep_last applies)."""
+    """Also keep the k best checkpoints by best_metric, named in ``save_dir/best.json``."""
+    best_metric: str = "valid_loss"
+    """What keep_best ranks by: ``valid_loss`` (the lowest validation loss at a checkpoint's
+    step; eval_interval must divide save_interval) or ``valid_bleu`` (the highest BLEU that
+    the companion ``tools/watch_bleu.py`` wrote for it to ``save_dir/valid_bleu.jsonl``;
+    checkpoints it has not scored yet are kept)."""
     log_interval: int = 10
     """Log a metrics line every k updates."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
@@ -488,7 +491,17 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(t.keep_last >= 0, "train.keep_last", f"must be >= 0, got {t.keep_last}")
     _check(t.keep_best >= 0, "train.keep_best", f"must be >= 0, got {t.keep_best}")
     _check(
-        not (t.keep_best and t.eval_interval and t.save_interval % t.eval_interval),
+        t.best_metric in ("valid_loss", "valid_bleu"),
+        "train.best_metric",
+        f"must be valid_loss or valid_bleu, got {t.best_metric!r}",
+    )
+    _check(
+        not (
+            t.keep_best
+            and t.best_metric == "valid_loss"
+            and t.eval_interval
+            and t.save_interval % t.eval_interval
+        ),
         "train.keep_best",
         f"needs train.eval_interval ({t.eval_interval}) to divide train.save_interval "
         f"({t.save_interval}): a checkpoint is scored by the validation loss at its step",

@@ -67,6 +67,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "train.patience",
     "train.keep_last",
     "train.keep_best",
+    "train.best_metric",
     "train.log_interval",
     "train.deepspeed_config",
     "train.max_consecutive_skips",

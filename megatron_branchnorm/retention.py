@@ -6,10 +6,13 @@ removes the other checkpoints, except:
 
 - the one ``latest`` names and the newest complete one (what a resume loads:
   :func:`megatron_branchnorm.checkpoint.resume_tag`), whatever K is;
-- with ``train.keep_best=N``, the N checkpoints with the lowest validation loss at their own
-  step (``valid_loss`` rows of ``metrics.jsonl``; the config requires ``eval_interval`` to
-  divide ``save_interval``, so every periodic save is scored); ``best.json`` in the save_dir
-  names them, best first;
+- with ``train.keep_best=N``, the N best checkpoints by ``train.best_metric``: the lowest
+  validation loss at their own step (``valid_loss`` rows of ``metrics.jsonl``; the config
+  requires ``eval_interval`` to divide ``save_interval``, so every periodic save is scored),
+  or the highest validation BLEU (``valid_bleu.jsonl``, written by the companion process
+  ``tools/watch_bleu.py``); ``best.json`` in the save_dir names them, best first;
+- with ``best_metric=valid_bleu``, every checkpoint newer than the newest one scored: the
+  companion has yet to score them, and one of them may be the best;
 - an incomplete checkpoint (no manifest) newer than ``latest``: none exists while the trainer
   runs (one run per save_dir, saves are synchronous), but a save in progress is never touched.
 
@@ -28,10 +31,12 @@ import shutil
 from pathlib import Path
 
 from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.training.metrics import valid_losses
+from megatron_branchnorm.training.metrics import valid_bleus, valid_losses
 
 BEST_FILE = "best.json"
 REMOVING_PREFIX = ".removing-"
+METRICS = {"valid_loss": (valid_losses, False), "valid_bleu": (valid_bleus, True)}
+"""train.best_metric: (scores by step, whether higher is better)."""
 
 
 def checkpoints_to_remove(
@@ -56,31 +61,41 @@ def checkpoints_to_remove(
 
 
 def best_checkpoints(
-    complete: list[str], losses: dict[int, float], n: int
+    complete: list[str], scores: dict[int, float], n: int, higher_is_better: bool = False
 ) -> list[tuple[str, float]]:
-    """The ``n`` complete checkpoints with the lowest validation loss at their step, best
-    first (ties: the earlier step)."""
-    scored = [(losses[s], s, t) for t in complete if (s := ckpt.tag_step(t)) in losses]
-    return [(t, loss) for loss, _, t in sorted(scored)[:n]]
+    """The ``n`` complete checkpoints with the best score at their step (the lowest, or the
+    highest with ``higher_is_better``), best first (ties: the earlier step)."""
+    sign = -1.0 if higher_is_better else 1.0
+    scored = [(sign * scores[s], s, t) for t in complete if (s := ckpt.tag_step(t)) in scores]
+    return [(t, sign * v) for v, _, t in sorted(scored)[:n]]
 
 
-def apply_retention(save_dir: Path, keep_last: int, keep_best: int) -> tuple[list[str], str]:
+def awaiting_scores(complete: list[str], scores: dict[int, float]) -> list[str]:
+    """The complete checkpoints newer than the newest scored one (all when none is scored)."""
+    newest = max(scores, default=-1)
+    return [t for t in complete if (ckpt.tag_step(t) or 0) > newest]
+
+
+def apply_retention(
+    save_dir: Path, keep_last: int, keep_best: int, metric: str = "valid_loss"
+) -> tuple[list[str], str]:
     """Remove what :func:`checkpoints_to_remove` says and write ``best.json``; returns the
     removed tags and one line for the log. OSErrors propagate (the caller warns)."""
     for leftover in save_dir.glob(REMOVING_PREFIX + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
     complete, incomplete = ckpt.checkpoint_tags(save_dir)
-    best = best_checkpoints(complete, valid_losses(save_dir), keep_best) if keep_best else []
+    read_scores, higher = METRICS[metric]
+    scores = read_scores(save_dir) if keep_best else {}
+    best = best_checkpoints(complete, scores, keep_best, higher) if keep_best else []
+    waiting = awaiting_scores(complete, scores) if keep_best and metric == "valid_bleu" else []
     if keep_best:
-        record = {
-            "metric": "valid_loss",
-            "checkpoints": [{"tag": t, "valid_loss": v} for t, v in best],
-        }
+        record = {"metric": metric, "checkpoints": [{"tag": t, metric: v} for t, v in best]}
         tmp = save_dir / f".{BEST_FILE}.tmp"
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         tmp.replace(save_dir / BEST_FILE)
     latest = ckpt.read_latest(save_dir)
-    doomed = checkpoints_to_remove(complete, incomplete, latest, keep_last, [t for t, _ in best])
+    keep = [t for t, _ in best] + waiting
+    doomed = checkpoints_to_remove(complete, incomplete, latest, keep_last, keep)
     for tag in doomed:
         parking = save_dir / f"{REMOVING_PREFIX}{tag}"
         (save_dir / tag).rename(parking)
@@ -88,6 +103,11 @@ def apply_retention(save_dir: Path, keep_last: int, keep_best: int) -> tuple[lis
     best_text = ", ".join(f"{t} ({v:.4f})" for t, v in best) or "none scored yet"
     line = (
         f"retention (keep_last={keep_last}, keep_best={keep_best}): removed "
-        f"{', '.join(doomed) or 'nothing'}; best by valid_loss: {best_text}"
+        f"{', '.join(doomed) or 'nothing'}; best by {metric}: {best_text}"
     )
+    if len(waiting) > keep_last > 0:
+        line += (
+            f"; {len(waiting)} checkpoints await their validation BLEU (is tools/watch_bleu.py "
+            "running?)"
+        )
     return doomed, line

@@ -18,6 +18,7 @@ Each runs as ``python -m megatron_branchnorm.commands.<module>``, through its fr
 | ``local_slurm`` | ``tools/local_slurm.py`` | |
 | ``rehearse_slurm`` | ``tools/rehearse_slurm.py`` | |
 | ``gpu_check`` | ``tools/gpu_check.py`` | ``mbn-gpu-check`` |
+| ``watch_bleu`` | ``tools/watch_bleu.py`` | ``mbn-watch-bleu`` |
 
 ``local_slurm`` and ``rehearse_slurm`` use the checkout's ``slurm/`` launchers, so they have no
 console script.
@@ -37,5 +38,6 @@ COMMANDS = (
     "local_slurm",
     "rehearse_slurm",
     "gpu_check",
+    "watch_bleu",
 )
 """Module names under megatron_branchnorm.commands."""

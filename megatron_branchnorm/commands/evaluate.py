@@ -33,31 +33,14 @@ SPLITS = ("dev", "test")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_branchnorm.inference.evaluate import add_scoring_args
     from megatron_branchnorm.inference.translate import add_search_args
 
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="export directory")
     p.add_argument("--data", required=True, help="preprocessed DATA_DIR (manifest.json)")
     p.add_argument("--split", default="test", choices=SPLITS, help="dev or test (default test)")
-    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
-    p.add_argument(
-        "--bleu",
-        choices=("sacrebleu", "tokenized"),
-        default="sacrebleu",
-        help="sacrebleu: on detokenised text (OPUS-100, MultiUN); tokenized: Moses-tokenised "
-        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De)",
-    )
-    p.add_argument(
-        "--tokenize",
-        default=None,
-        help="sacreBLEU's tokenizer: 13a, intl, zh, ja-mecab, char, flores200, ... "
-        "(default: by target language)",
-    )
-    p.add_argument(
-        "--compound-split",
-        action="store_true",
-        help="with --bleu tokenized: a-b -> a ##AT##-##AT## b (customary for En-De)",
-    )
+    add_scoring_args(p)
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
@@ -91,7 +74,7 @@ def _evaluate(argv: list[str] | None) -> int:
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
     )
     opts.check()
-    scoring = Scoring(args.bleu, args.tokenize, args.lowercase, args.compound_split)
+    scoring = Scoring.from_args(args)
     scoring.check()  # before any translation: an unknown or missing tokenizer is one line
     wanted = None
     if args.directions is not None:

@@ -161,6 +161,11 @@ class Scoring:
     lowercase: bool = False
     compound_split: bool = False
 
+    @classmethod
+    def from_args(cls, args) -> Scoring:
+        """From the flags :func:`add_scoring_args` adds."""
+        return cls(args.bleu, args.tokenize, args.lowercase, args.compound_split)
+
     def check(self) -> None:
         """A one-line EvaluationError for an unknown or unavailable choice."""
         if self.bleu not in ("sacrebleu", "tokenized"):
@@ -179,6 +184,29 @@ class Scoring:
                 raise EvaluationError(
                     f"--tokenize {self.tokenize}: not available here ({one_line(str(exc), 200)})"
                 ) from None
+
+
+def add_scoring_args(p) -> None:
+    """The flags that choose how BLEU is computed (:class:`Scoring`)."""
+    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
+    p.add_argument(
+        "--bleu",
+        choices=("sacrebleu", "tokenized"),
+        default="sacrebleu",
+        help="sacrebleu: on detokenised text (OPUS-100, MultiUN); tokenized: Moses-tokenised "
+        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De)",
+    )
+    p.add_argument(
+        "--tokenize",
+        default=None,
+        help="sacreBLEU's tokenizer: 13a, intl, zh, ja-mecab, char, flores200, ... "
+        "(default: by target language)",
+    )
+    p.add_argument(
+        "--compound-split",
+        action="store_true",
+        help="with --bleu tokenized: a-b -> a ##AT##-##AT## b (customary for En-De)",
+    )
 
 
 @cache

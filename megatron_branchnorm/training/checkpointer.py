@@ -168,7 +168,9 @@ class Checkpointer:
         if self.rank != 0 or not (t.keep_last or t.keep_best):
             return
         try:
-            _, line = retention.apply_retention(self.save_dir, t.keep_last, t.keep_best)
+            _, line = retention.apply_retention(
+                self.save_dir, t.keep_last, t.keep_best, t.best_metric
+            )
         except OSError as exc:
             line = f"warning: checkpoint retention failed: {describe_os_error(exc)}"
         self.log(line)

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+BLEU_FILE = "valid_bleu.jsonl"
+"""Validation BLEU of each checkpoint, written by the companion process
+(megatron_branchnorm/inference/valid_bleu.py), never by the trainer: each file has one writer."""
 TIMING_KEYS = ("tokens_per_sec", "memory_mb", "elapsed_s", "eta_s")
 """The keys that depend on the machine and its load, not on what was trained."""
 
@@ -24,17 +27,20 @@ class MetricsFileError(ValueError):
     """A metrics file that a strict reader cannot use: one line naming the file (and line)."""
 
 
-def metrics_path(save_dir: str | Path) -> Path:
-    return Path(save_dir) / METRICS_FILE
+def metrics_path(save_dir: str | Path, name: str = METRICS_FILE) -> Path:
+    return Path(save_dir) / name
 
 
-def read_metrics(save_dir: str | Path, strict: bool = False) -> list[dict[str, Any]]:
-    """The rows of ``save_dir/metrics.jsonl`` in file order (a resumed run's rows included).
+def read_metrics(
+    save_dir: str | Path, strict: bool = False, name: str = METRICS_FILE
+) -> list[dict[str, Any]]:
+    """The rows of ``save_dir/metrics.jsonl`` (or of ``name``, e.g. :data:`BLEU_FILE`) in
+    file order (a resumed run's rows included).
 
     Tolerant (the default): a missing file is no rows, and a line that is not a JSON object
     with a ``step`` (the last line of a killed run, cut short) is skipped. ``strict``: those
     are :class:`MetricsFileError`, as is a file without rows."""
-    path = metrics_path(save_dir)
+    path = metrics_path(save_dir, name)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -86,14 +92,29 @@ def first_difference(a: str | Path, b: str | Path) -> str | None:
     return None
 
 
-def valid_losses(save_dir: str | Path) -> dict[int, float]:
-    """Validation loss by step (the last row of a step wins; non-finite values ignored)."""
+def scores_by_step(save_dir: str | Path, key: str, name: str = METRICS_FILE) -> dict[int, float]:
+    """``key`` (e.g. ``valid_loss``) by step from ``save_dir/name``: the last row of a step
+    wins; non-finite values are ignored."""
     out: dict[int, float] = {}
-    for row in read_metrics(save_dir):
-        loss = row.get("valid_loss")
-        if isinstance(loss, (int, float)) and isinstance(row["step"], int) and math.isfinite(loss):
-            out[row["step"]] = float(loss)
+    for row in read_metrics(save_dir, name=name):
+        value = row.get(key)
+        if (
+            isinstance(value, (int, float))
+            and isinstance(row["step"], int)
+            and math.isfinite(value)
+        ):
+            out[row["step"]] = float(value)
     return out
+
+
+def valid_losses(save_dir: str | Path) -> dict[int, float]:
+    """Validation loss by step (the trainer's ``valid_loss`` rows)."""
+    return scores_by_step(save_dir, "valid_loss")
+
+
+def valid_bleus(save_dir: str | Path) -> dict[int, float]:
+    """Validation BLEU by step (the companion's rows in :data:`BLEU_FILE`)."""
+    return scores_by_step(save_dir, "valid_bleu", BLEU_FILE)
 
 
 class MetricsLog:

@@ -138,3 +138,39 @@ def test_convert_the_best_or_the_average_of_the_best(tmp_path):
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 2 and "--average-best 3 but best.json names 2" in out.stderr
+
+
+def test_best_by_valid_bleu_keeps_the_highest_and_what_awaits_scoring(tmp_path):
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / ckpt.tag_for(step)).mkdir()
+        (tmp_path / ckpt.tag_for(step) / ckpt.MANIFEST).write_text("{}")
+    ckpt.write_latest(tmp_path, "global_step10")
+    # the companion has scored 2, 4 and 6 (valid_bleu.jsonl); 8 and 10 await it
+    rows = [{"step": s, "valid_bleu": b} for s, b in ((2, 10.0), (4, 30.0), (6, 20.0))]
+    (tmp_path / "valid_bleu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "valid_loss": 9.0}) + "\n")
+    removed, line = apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
+    assert removed == tags(2, 6)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == tags(10, 4, 8)
+    best = json.loads((tmp_path / BEST_FILE).read_text())
+    assert best == {"metric": "valid_bleu", "checkpoints": [{"tag": "global_step4", "valid_bleu": 30.0}]}  # fmt: skip
+    assert "best by valid_bleu: global_step4 (30.0000)" in line
+    assert "2 checkpoints await their validation BLEU" in line
+    # once 8 and 10 are scored, only the last and the best stay
+    with open(tmp_path / "valid_bleu.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 8, "valid_bleu": 5.0}) + "\n")
+        fh.write(json.dumps({"step": 10, "valid_bleu": 25.0}) + "\n")
+    removed, _ = apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
+    assert removed == tags(8)
+    assert best_checkpoints(tags(4, 10), {4: 30.0, 10: 25.0}, 2, higher_is_better=True) == [
+        ("global_step4", 30.0),
+        ("global_step10", 25.0),
+    ]
+
+
+def test_best_metric_is_checked():
+    with pytest.raises(ConfigError, match="train.best_metric: must be valid_loss or valid_bleu"):
+        load_config("tiny_cpu", ["train.best_metric=bleu"])
+    # BLEU comes from the companion for every checkpoint: no validation interval needed
+    cfg = load_config("tiny_cpu", ["train.keep_best=1", "train.best_metric=valid_bleu", "train.save_interval=4", "train.eval_interval=3"])  # fmt: skip
+    assert cfg.train.best_metric == "valid_bleu"
