@@ -18,4 +18,5 @@ megatron_branchnorm.experiments.NAME`` runs it too.
 - ``fault_runs``: the fault launcher and readers shared by the sweep and tests/faults.
 - ``analyze_model``: layer-wise analyses of exports (BranchNorm paper, Figs. 8 and 9).
 - ``source_dependence``: how much an exported model reads its source.
+- ``sweep``: a depth-by-scheme grid submitted to SLURM, collected into the paper's table layout.
 """
