@@ -2,10 +2,13 @@
 
     python tools/preprocess_data.py --format opus100 --input RAW --langs de,fr \\
         --output DATA_DIR --vocab-size 64000 --workers 8
+    python tools/preprocess_data.py --format plain --input wmt17 --langs de --directions en-de \\
+        --output data/wmt17_en_de --vocab-size 32000          # a bilingual task: En->De only
 
 Validates the input, trains one joint SentencePiece model (with <2xx> tags), encodes, and
-writes indexed datasets for both directions of every pair, the raw dev/test references and
-manifest.json (see docs/data.md). The output appears only when complete.
+writes indexed datasets for both directions of every pair (or only --directions), the raw
+dev/test references and manifest.json (see docs/data.md). The output appears only when
+complete.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--langs", required=True, help="comma-separated languages paired with --pivot")
     p.add_argument("--output", required=True, help="DATA_DIR to create")
     p.add_argument("--pivot", default="en", help="the language of every pair (default en)")
+    p.add_argument(
+        "--directions",
+        default=None,
+        help="only these directions, e.g. en-de for a bilingual task (default: both ways)",
+    )
     p.add_argument(
         "--vocab-size",
         type=int_flag(8, 1 << 24),
@@ -121,6 +129,7 @@ def _preprocess(argv: list[str] | None) -> int:
         langs=args.langs.split(","),
         output=args.output,
         pivot=args.pivot,
+        directions=None if args.directions is None else args.directions.split(","),
         spm=SpmOptions(
             vocab_size=args.vocab_size,
             model_type=args.model_type,

@@ -80,6 +80,25 @@ class PreprocessOptions:
     progress: bool | None = None
     """tqdm progress bar on stderr: None shows it only on a terminal."""
     command: str = ""
+    directions: list[str] | None = None
+    """Train and evaluate only these directions (``en-de``: a bilingual task such as WMT17
+    En->De); None: both directions of every pair (the multilingual setting)."""
+
+
+def check_directions(directions: list[str] | None, langs: list[str], pivot: str) -> set[str]:
+    """The set of directions to keep; a DataError naming ``--directions`` for one that no
+    pair provides."""
+    possible = {f"{a}-{b}" for lang in langs for a, b in ((lang, pivot), (pivot, lang))}
+    if directions is None:
+        return possible
+    wanted = [d.strip() for d in directions if d.strip()]
+    bad = [d for d in wanted if d not in possible]
+    if bad or not wanted:
+        raise DataError(
+            f"--directions {','.join(directions)}: {', '.join(bad) or 'none given'} not among "
+            f"the pairs' directions ({', '.join(sorted(possible))})"
+        )
+    return set(wanted)
 
 
 @dataclass
@@ -263,6 +282,7 @@ def _check_spm_options(o: spm_lib.SpmOptions) -> None:
 def preprocess(opts: PreprocessOptions) -> dict:
     """Run the whole pipeline; returns the manifest written to ``opts.output/manifest.json``."""
     langs = parse_langs(opts.langs, opts.pivot)
+    check_directions(opts.directions, langs, opts.pivot)
     if opts.max_len < 1:
         raise DataError(f"--max-len must be >= 1, got {opts.max_len}")
     if opts.workers < 1:
@@ -333,6 +353,7 @@ def _build(
     (tmp / "bin").mkdir()
     (tmp / "raw").mkdir()
     all_langs = sorted([pivot, *langs])
+    kept = check_directions(opts.directions, langs, pivot)
 
     # Evaluation references: every dev/test line, unfiltered.
     references: dict[str, dict[str, dict]] = {"dev": {}, "test": {}}
@@ -342,6 +363,8 @@ def _build(
             for code, lines in ((pivot, pl.pivot_lines), (lang, pl.other_lines)):
                 _write_lines(tmp / "raw" / f"{split}.{pair}.{code}", [reference(x) for x in lines])
             for src, tgt in ((lang, pivot), (pivot, lang)):
+                if f"{src}-{tgt}" not in kept:
+                    continue
                 references[split][f"{src}-{tgt}"] = {
                     "src": f"raw/{split}.{pair}.{src}",
                     "tgt": f"raw/{split}.{pair}.{tgt}",
@@ -402,6 +425,8 @@ def _build(
             for name, val in filters.items():
                 info["filters"][name] += val
             for src, tgt in ((lang, pivot), (pivot, lang)):
+                if f"{src}-{tgt}" not in kept:
+                    continue
                 info["directions"][f"{src}-{tgt}"] = {
                     "src": files[src],
                     "tgt": files[tgt],
