@@ -3,38 +3,20 @@ SentencePiece model trained from a few hundred generated lines."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, SPM_SPECIALS, lang_tag
+from tests.core.helpers import tiny_config
 
 COPY_VOCAB = 16
 COPY_TAG = 4  # the one "language tag" of the copy task
 COPY_FIRST_WORD = 5
 LANGS = ("de", "en", "zh")
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    """2L-2L, d=32, no dropout, torch LayerNorm."""
-    base = ModelConfig(
-        encoder_layers=2,
-        decoder_layers=2,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        vocab_size=40,
-        residual="postln",
-        dropout=0.0,
-        max_positions=64,
-        layernorm_impl="torch",
-    )
-    return dataclasses.replace(base, **overrides)
 
 
 def copy_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
