@@ -18,8 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-"""The directory that holds this package: the research harness's working directory in a
-checkout (the benchmark compares this tree with an earlier revision's)."""
+"""The directory that holds this package: in a checkout, the home of slurm/ (the rehearsals
+read the launchers there) and the research harness's working directory (the benchmark
+compares this tree with an earlier revision's)."""
 
 
 class LaunchError(RuntimeError):

@@ -54,7 +54,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
-from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.launch import CHECKOUT, free_port
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
 from megatron_branchnorm.training.metrics import training_rows
@@ -152,15 +152,10 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 
 
-def repo_root() -> Path:
-    """The checkout holding this package (slurm/ lives there; an installed copy has none)."""
-    return Path(__file__).resolve().parent.parent
-
-
 def launcher_world(config: str) -> tuple[int, str] | None:
     """(nodes x tasks per node, description) from ``slurm/<config>.sh``; None without one."""
     name = Path(config).stem if config.endswith((".yaml", ".yml")) else config
-    script = repo_root() / "slurm" / f"{name}.sh"
+    script = CHECKOUT / "slurm" / f"{name}.sh"  # an installed copy has no slurm/
     if not script.is_file():
         return None
     text = script.read_text(encoding="utf-8")

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_branchnorm.launch import CHECKOUT
 from megatron_branchnorm.local_slurm import FINAL_STATES, Cluster
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 
-ROOT = Path(__file__).resolve().parent.parent
 # the model shrunk in width only (depth, stages and topology stay the launcher's)
 NARROW = (
     "model.vocab_size=64 model.hidden_size=16 model.ffn_hidden_size=32 "
@@ -196,7 +196,7 @@ def rehearse(
     )
     mem_before = _mem_used_gb()
     t_submit = time.time()
-    job_id = cluster.run(*cmd, env=dict(cluster.env, **env_extra), cwd=ROOT).stdout.strip()
+    job_id = cluster.run(*cmd, env=dict(cluster.env, **env_extra), cwd=CHECKOUT).stdout.strip()
     job_id = job_id.split(";")[0]
     name = cluster.job_field(job_id, "JobName")
     log = work / f"{name}-{job_id}.out"
