@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,6 @@ def submit(
 ) -> dict[str, Any]:
     """Submit every cell not in sweep.json yet, and the cells named in ``resubmit``; returns
     sweep.json's data (written after each submission, so an interrupted submit loses none)."""
-    import os
-
     if not launcher.is_file():
         raise SweepError(f"--launcher {launcher}: no such file")
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.cli import describe_os_error, one_line
+
 METRICS_FILE = "metrics.jsonl"
 BLEU_FILE = "valid_bleu.jsonl"
 """Validation BLEU of each checkpoint, written by the companion process
@@ -141,8 +143,6 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (with a ``step``) to metrics.jsonl and TensorBoard."""
-        from megatron_branchnorm.cli import describe_os_error, one_line
-
         if not self.is_logger or self.error is not None:
             return
         try:
@@ -205,6 +205,10 @@ class Progress:
         """Training (re)starts at ``step``: the clocks start here."""
         self.start_time = self.last_time = time.time()
         self.first_step, self.tokens = step, 0
+
+    def elapsed(self) -> float:
+        """Seconds since training (re)started: ``elapsed_s``, and what the time budget counts."""
+        return time.time() - self.start_time
 
     def count(self, tokens: int) -> None:
         """An applied update of ``tokens`` source + target tokens."""

@@ -6,12 +6,12 @@ the same update, so no rank waits for another in a collective (docs/design.md §
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import stop_signals
 
 
@@ -36,22 +36,20 @@ def agree_or_raise(world: int, error: str | None) -> None:
 
 class Stopper:
     """The stop decision after each update (:meth:`check`) and before the first
-    (:meth:`signalled_before_start`). ``local_error`` returns this rank's own error or None."""
+    (:meth:`signalled_before_start`). ``local_error`` returns this rank's own error or None;
+    ``elapsed`` the seconds trained so far, which the time budget is measured against."""
 
     def __init__(
-        self, world: int, max_time_minutes: float, local_error: Callable[[], str | None]
+        self,
+        world: int,
+        max_time_minutes: float,
+        local_error: Callable[[], str | None],
+        elapsed: Callable[[], float],
     ) -> None:
         self.world = world
         self.budget_min = max_time_minutes
         self.local_error = local_error
-        self.start = time.time()
-
-    def start_clock(self) -> None:
-        """The time budget counts from here (after start-up and the resume)."""
-        self.start = time.time()
-
-    def elapsed(self) -> float:
-        return time.time() - self.start
+        self.elapsed = elapsed  # seconds of training so far (the metrics' clock)
 
     def _agree(self, time_up: bool) -> tuple[bool, bool]:
         """(a stop signal reached some rank, the time budget is spent), agreed by all ranks;
@@ -102,8 +100,6 @@ class NonfiniteSkips:
     def stop_after_skip(self, t: int, step: int, where, loss_scale: float, ids_hash: str) -> bool:
         """Record that update ``t`` was skipped at ``step``; ``where`` is (stage, module) of the first
         non-finite gradient when known. True when the run must stop."""
-        from megatron_branchnorm import checkpoint as ckpt
-
         self.total += 1
         self.consecutive += 1
         stage, module = where if where else (None, None)

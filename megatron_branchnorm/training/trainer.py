@@ -77,12 +77,11 @@ class Trainer:
         dsc.check_precision_supported(self.ds_config, cfg.train.deepspeed_config)
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
-        self.faults = Faults(rank=int(os.environ["RANK"]))
+        self.faults = Faults(rank=int(os.environ["RANK"]))  # = the process group rank
         self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
         check_writable(self.save_dir)  # every rank, before any collective: all fail alike
 
         self.rank, self.world = env.init_process_group(cfg.train.collective_timeout_s)
-        self.faults.rank = self.rank
         self.metrics = MetricsLog(
             self.save_dir,
             is_logger=self.rank == 0,
@@ -187,7 +186,9 @@ class Trainer:
             cfg, self.engine, self.loss_fn, self.world, self.dp, dp_id, self.metrics
         )
         self.progress = Progress(self.metrics, t.log_interval, t.max_steps, t.max_time_minutes)
-        self.stopper = Stopper(self.world, t.max_time_minutes, lambda: self.metrics.error)
+        self.stopper = Stopper(
+            self.world, t.max_time_minutes, lambda: self.metrics.error, self.progress.elapsed
+        )
         self.skips = NonfiniteSkips(
             t.max_consecutive_skips, self.fp32, self.save_dir, self.metrics, self.rank == 0
         )
@@ -271,8 +272,7 @@ class Trainer:
             f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
         )
         self.metrics.log(describe_plan(cfg.model, self.parts))
-        self.progress.start(self.step)
-        self.stopper.start_clock()
+        self.progress.start(self.step)  # the clock of elapsed_s, the ETA and the time budget
         self.validator.restore_patience(self.step, self.rank, self.save_dir)
 
     def _write_progress(self) -> None:
