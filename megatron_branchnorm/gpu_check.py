@@ -134,12 +134,12 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
 
     import deepspeed
 
+    from megatron_branchnorm.model.residual import set_branch_scale
     from megatron_branchnorm.partition import partition_plan
     from megatron_branchnorm.pipeline import (
         PipeLoss,
         build_pipeline_module,
         install_engine_fixes,
-        set_pipeline_step,
     )
     from megatron_branchnorm.training.ds_config import load_ds_config
     from megatron_branchnorm.training.grad_norm import AdamW
@@ -159,7 +159,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
     module = build_pipeline_module(
         cfg.model, partition_plan(cfg.model, 1, "balanced"), cfg.train.seed, loss_fn, ckpt_interval
     )
-    set_pipeline_step(module, cfg.model, step)
+    set_branch_scale(module, cfg.model, step)
     opt = AdamW([p for p in module.parameters() if p.requires_grad], lr=0.0)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     install_engine_fixes(engine)

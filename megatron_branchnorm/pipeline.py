@@ -11,7 +11,7 @@ requires_grad and must get a gradient back; ids and masks travel as integer tens
 The encoder output (memory) travels through every decoder stage and collects gradient from
 each cross-attention. The padding mask is recomputed from src_tokens on each stage. BranchNorm's
 alpha_t is a Python float set on each stage's residual blocks before every update
-(:func:`set_pipeline_step`), never a tensor that crosses stages.
+(:func:`megatron_branchnorm.model.residual.set_branch_scale`), never a tensor that crosses stages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
-from megatron_branchnorm.model.residual import set_branch_scale, stack_constants, stack_final_norm
+from megatron_branchnorm.model.residual import stack_constants, stack_final_norm
 from megatron_branchnorm.partition import TIED_KEY, spec_entries
 from megatron_branchnorm.tokens import PAD_ID
 
@@ -226,11 +226,6 @@ def build_pipeline_module(
         checkpointable_layers=CHECKPOINTABLE,
         dynamic_shape=dynamic_shape,
     )
-
-
-def set_pipeline_step(module: nn.Module, cfg: ModelConfig, step: int) -> float:
-    """Set BranchNorm's alpha_t for update ``step`` on this stage's residual blocks."""
-    return set_branch_scale(module, cfg, step)
 
 
 _DS_BACKWARD = PipelineEngine._INSTRUCTION_MAP[schedule.BackwardPass]

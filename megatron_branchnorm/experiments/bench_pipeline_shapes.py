@@ -47,8 +47,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.model.residual import set_branch_scale
     from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, set_pipeline_step
+    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module
     from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
     from megatron_branchnorm.training.environment import set_thread_count, setup_process_env
 
@@ -79,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
         shape = None
         times = []
         for step in range(args.steps + args.warmup):
-            set_pipeline_step(module, cfg.model, step + 1)
+            set_branch_scale(module, cfg.model, step + 1)
             batches = [next(it) for _ in range(gas)]
             ntok = sum(b["ntokens"] for b in batches)
             loss_fn.scale = gas / ntok

@@ -26,13 +26,12 @@ from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
-from megatron_branchnorm.model.residual import describe_layernorm
+from megatron_branchnorm.model.residual import describe_layernorm, set_branch_scale
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
     install_engine_fixes,
-    set_pipeline_step,
 )
 from megatron_branchnorm.run_lock import LockError, RunLock
 from megatron_branchnorm.training import ds_config as dsc
@@ -241,7 +240,7 @@ class Trainer:
     def _update(self, t: int) -> bool:
         """Update ``t``: its batches, alpha_t, one ``train_batch``; True when applied (False:
         skipped for a non-finite gradient norm)."""
-        self.alpha = set_pipeline_step(self.module, self.cfg.model, t)
+        self.alpha = set_branch_scale(self.module, self.cfg.model, t)
         nan_loss = self.faults.before_update(t)
         update = self.stream.next_update()
         self.samples += update.samples

@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
+from megatron_branchnorm.model.residual import set_branch_scale
 from megatron_branchnorm.partition import engine_param_to_flat_key, partition_plan, spec_names
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
     install_engine_fixes,
-    set_pipeline_step,
 )
 from megatron_branchnorm.synthetic import SyntheticData, collate
 from megatron_branchnorm.training.environment import setup_process_env
@@ -58,7 +58,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
     micro = 2
     loss_fn.scale = micro / ntokens  # DeepSpeed averages over micro-batches (PipeLoss)
     module = build_pipeline_module(cfg, parts, seed, loss_fn, ckpt_interval)
-    set_pipeline_step(module, cfg, step)
+    set_branch_scale(module, cfg, step)
     grads: dict[str, torch.Tensor] = {}
     names = spec_names(cfg)
 
