@@ -152,13 +152,17 @@ def verify_checkpoint(tag_dir: Path) -> dict:
 
 
 def rng_state() -> dict:
-    """Python, NumPy and torch RNG states, in a form ``torch.load(weights_only=True)`` reads."""
+    """Python, NumPy and torch RNG states, in a form ``torch.load(weights_only=True)`` reads.
+
+    On a GPU, only this rank's bound device's generator is saved (a list of one): a rank
+    drives one GPU, and a list of every visible GPU's state would not restore on a node
+    with fewer GPUs."""
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": [np_state[0], torch.as_tensor(np_state[1]), *np_state[2:]],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
     }
 
 
@@ -169,8 +173,11 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if torch.cuda.is_available() and cuda:
+        # one state (this format), or every GPU's (older checkpoints): this rank's own
+        own = cuda[0] if len(cuda) == 1 else cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+        torch.cuda.set_rng_state(own)
 
 
 def rng_file(tag_dir: Path, rank: int) -> Path:

@@ -9,9 +9,10 @@ requires_grad and must get a gradient back; ids and masks travel as integer tens
     output:                    logits (B,T,V) -> loss_fn(logits, target)
 
 The encoder output (memory) travels through every decoder stage and collects gradient from
-each cross-attention. The padding mask is recomputed from src_tokens on each stage. BranchNorm's
-alpha_t is a Python float set on each stage's residual blocks before every update
-(:func:`megatron_branchnorm.model.residual.set_branch_scale`), never a tensor that crosses stages.
+each cross-attention. The padding mask is rebuilt from src_tokens once per micro-batch on each
+stage (:class:`StageBias`). BranchNorm's alpha_t is set on each stage's residual blocks before
+every update (:func:`megatron_branchnorm.model.residual.set_branch_scale`: a 0-dim tensor on
+the stage's device, filled in place), never a tensor that crosses stages.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from megatron_branchnorm.config import ModelConfig
+from megatron_branchnorm.model.attention import padding_bias
 from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
@@ -60,12 +62,30 @@ def output_fn(module: SharedEmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
     return output_logits(x, module.embedding.weight)
 
 
+class StageBias:
+    """The attention padding bias of this stage's current micro-batch, built once and read by
+    every encoder self-attention and decoder cross-attention of the stage (a process runs one
+    stage). Keyed by the ids tensor itself: every layer of a stage receives the same
+    ``src_tokens`` object, a new micro-batch brings a new one, and a recomputed forward
+    (activation checkpointing) that hands back an earlier one rebuilds it."""
+
+    _src: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None
+
+    @classmethod
+    def get(cls, src_tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, 1, S) bias in ``dtype`` for ``src_tokens`` (B, S)."""
+        if cls._src is not src_tokens or cls._bias.dtype != dtype:
+            cls._src, cls._bias = src_tokens, padding_bias(src_tokens, PAD_ID, dtype)
+        return cls._bias
+
+
 class EncoderLayerPipe(EncoderLayer):
     """An EncoderLayer on the (x, src, prev) tuple; same parameter names as EncoderLayer."""
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x, src_tokens, prev_tokens = inputs
-        return super().forward(x, src_tokens.eq(PAD_ID)), src_tokens, prev_tokens
+        return super().forward(x, StageBias.get(src_tokens, x.dtype)), src_tokens, prev_tokens
 
 
 class FinalNormPipe(nn.Module):
@@ -95,7 +115,7 @@ class DecoderLayerPipe(DecoderLayer):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]):
         x, memory, src_tokens = inputs
-        x = super().forward(x, memory, src_tokens.eq(PAD_ID))
+        x = super().forward(x, memory, StageBias.get(src_tokens, x.dtype))
         return x if self.is_last else (x, memory, src_tokens)
 
 
@@ -141,7 +161,8 @@ class PipeLoss:
     DeepSpeed averages the returned loss over micro-batches (1/gas) and data-parallel ranks
     (1/dp); we return ``loss_sum * scale`` with ``scale = gas * dp / N`` (N the non-pad
     target tokens of the update across all micro-batches and ranks), so the gradient is that
-    of sum(loss) / N. Sums are kept for logging.
+    of sum(loss) / N. The sums for logging stay on the logits' device (:meth:`sums`): no
+    host sync per micro-batch; the trainer reads them once per update.
     """
 
     def __init__(self, label_smoothing: float) -> None:
@@ -151,15 +172,17 @@ class PipeLoss:
 
     def reset(self) -> None:
         """Clear the accumulated sums."""
-        self.loss_sum = 0.0
-        self.nll_sum = 0.0
-        self.ntokens = 0
+        self._sums: torch.Tensor | None = None  # (loss, nll, tokens), float64, on the device
+
+    def sums(self) -> torch.Tensor:
+        """(loss sum, NLL sum, target tokens) since :meth:`reset`, float64 (zeros on a stage
+        that computed no loss)."""
+        return self._sums if self._sums is not None else torch.zeros(3, dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss, nll, ntok = label_smoothed_nll_loss(logits, target, self.label_smoothing)
-        self.loss_sum += float(loss.detach())
-        self.nll_sum += float(nll.detach())
-        self.ntokens += int(ntok)
+        sums = torch.stack([loss.detach(), nll.detach(), ntok.to(loss.dtype)]).double()
+        self._sums = sums if self._sums is None else self._sums.add_(sums)
         return loss * self.scale
 
 

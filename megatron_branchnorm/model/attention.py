@@ -1,8 +1,10 @@
 """Multi-head attention through ``scaled_dot_product_attention``, with a key/value cache.
 
 Self-attention uses one fused QKV projection; cross-attention projects queries from the
-decoder and keys/values (fused) from the encoder output. Masks are boolean ``[B, S]`` with
-True at padding positions.
+decoder and keys/values (fused) from the encoder output. A key padding mask is either boolean
+``[B, S]`` with True at padding positions, or the additive bias ``[B, 1, 1, S]`` of
+:func:`padding_bias` (0, or -inf at padding), which a pipeline stage builds once per
+micro-batch and every layer of the stage hands to SDPA as it is.
 
 Two caches for incremental decoding: ``Cache`` (a dict per layer whose keys/values grow by
 concatenation; any number of new positions per call) and :class:`StepCache` (beam search:
@@ -19,6 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 DictCache = dict[str, torch.Tensor]
+
+
+def padding_bias(src_tokens: torch.Tensor, pad_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """src_tokens (B, S) -> the additive attention bias (B, 1, 1, S) in ``dtype``: 0 where a
+    key is a token, -inf at padding. SDPA adds a float mask as it is, where a boolean one is
+    converted (a ``where`` kernel) on every call."""
+    bias = torch.zeros(src_tokens.shape, dtype=dtype, device=src_tokens.device)
+    return bias.masked_fill_(src_tokens.eq(pad_id), -math.inf)[:, None, None, :]
 
 
 class StepCache:
@@ -145,15 +155,22 @@ class MultiheadAttention(nn.Module):
                 cache["self_k"], cache["self_v"] = k, v
         s = k.shape[2]
         attn_mask = None
-        if key_padding_mask is not None:
+        if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
             attn_mask = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S): True = attend
+        elif key_padding_mask is not None:
+            attn_mask = key_padding_mask  # padding_bias's (B, 1, 1, S): 0 or -inf
         if causal and t == 1:
             causal = False  # one new query (the last position) attends to every key
         elif causal and (attn_mask is not None or s != t):
             # Explicit causal mask: query i sits at position s - t + i (after s - t cached
             # keys) and sees keys 0 .. s - t + i; SDPA's is_causal aligns top-left instead.
             allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)  # (T, S)
-            attn_mask = allowed if attn_mask is None else attn_mask & allowed
+            if attn_mask is None:
+                attn_mask = allowed
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = attn_mask & allowed
+            else:
+                attn_mask = attn_mask.masked_fill(~allowed, -math.inf)
             causal = False
         y = F.scaled_dot_product_attention(
             q,

@@ -137,11 +137,26 @@ def branch_scale_at(cfg: ModelConfig, step: int) -> float:
 
 def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
     """Set alpha_t for update ``step`` on every residual block in ``module`` (a whole model or
-    one pipeline stage); returns it."""
+    one pipeline stage); returns it.
+
+    BranchNorm blocks read alpha_t from one 0-dim fp32 tensor per ``module``, on its device,
+    updated in place (one fill per update, no host sync): a compiled or captured graph sees a
+    new value each update instead of a constant baked in at the first. The Python float is
+    kept beside it for logging and export."""
     alpha = branch_scale_at(cfg, step)
-    for block in module.modules():
-        if isinstance(block, Residual):
-            block.branch_scale = alpha
+    blocks = [b for b in module.modules() if isinstance(b, Residual)]
+    shared = None
+    if any(b.scheme is Scheme.BRANCHNORM for b in blocks):
+        device = blocks[0].norm.weight.device
+        shared = module.__dict__.get("_branch_scale_tensor")
+        if shared is None or shared.device != device:
+            shared = torch.zeros((), dtype=torch.float32, device=device)
+            module.__dict__["_branch_scale_tensor"] = shared  # not a buffer: no state-dict key
+        shared.fill_(alpha)
+    for block in blocks:
+        block.branch_scale = alpha
+        if block.scheme is Scheme.BRANCHNORM:
+            block.scale_tensor = shared
     return alpha
 
 
@@ -250,9 +265,14 @@ class LayerNorm(nn.Module):
         self.impl = impl
         self.last_backend = ""
         self._apex: dict[str, nn.Module] = {}  # not a submodule: no duplicate state-dict keys
+        self._backend: dict[str, str] = {}  # device type -> "apex" | "torch", decided once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = select_layernorm(self.impl, x.device.type)
+        # Decided at the first call per device type, not per call: on CUDA without Apex every
+        # call would retry the failed import (~30 us, several LNs per layer per micro-batch).
+        backend = self._backend.get(x.device.type)
+        if backend is None:
+            backend = self._backend[x.device.type] = select_layernorm(self.impl, x.device.type)
         self.last_backend = backend
         if backend == "apex":
             fused = self._apex.get("m")
@@ -293,6 +313,18 @@ class Residual(nn.Module):
         self.deepnorm_alpha = float(deepnorm_alpha)  # DeepNorm's constant residual weight
         self.branch_scale = 1.0  # BranchNorm's alpha_t, set from the step before each update
 
+    @property
+    def branch_scale(self) -> float:
+        """BranchNorm's alpha_t as a Python float (what logging and export read)."""
+        return self._branch_scale
+
+    @branch_scale.setter
+    def branch_scale(self, value: float) -> None:
+        """Set alpha_t as a constant (tests, export); :func:`set_branch_scale` sets the shared
+        0-dim tensor that training reads."""
+        self._branch_scale = float(value)
+        self.scale_tensor: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.scheme is Scheme.POSTLN:
             return self.norm(x + self.dropout(f(x)))
@@ -302,6 +334,8 @@ class Residual(nn.Module):
         # backward); at s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
         if self.scheme is Scheme.DEEPNORM:
             return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.deepnorm_alpha))
+        if self.scale_tensor is not None:  # (): alpha_t on the device, filled once per update
+            return self.norm(torch.addcmul(x, self.dropout(f(x)), self.scale_tensor))
         return self.norm(torch.add(x, self.dropout(f(x)), alpha=self.branch_scale))
 
     def output_scale_for_postln(self) -> float:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import resume_policy, retention
@@ -22,6 +21,7 @@ from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names
+from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training.data import TrainStream
 from megatron_branchnorm.training.ds_config import precision_of
 from megatron_branchnorm.training.faults import Faults
@@ -126,7 +126,7 @@ class Checkpointer:
         t0 = time.time()
         if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
             shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
-        dist.barrier()
+        collectives.barrier()
         self._guard_checkpoint_engine()
         self.save_error = None
         self.engine.save_checkpoint(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.training import collectives
 
 
 def setup_process_env() -> None:
@@ -53,11 +54,39 @@ def set_thread_count() -> int:
     return threads
 
 
+def bind_device() -> torch.device:
+    """Bind this rank's GPU from LOCAL_RANK; the CPU when there is no GPU.
+
+    Must run before the first collective: under NCCL, torch puts the tensors of an object
+    collective on ``torch.cuda.current_device()``, which is GPU 0 on every rank of a node until
+    each binds its own, and NCCL refuses two ranks on one GPU. DeepSpeed's engine binds the
+    device only in ``deepspeed.initialize``, after our first collectives (the run lock).
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if not 0 <= local < count:
+        raise ConfigError(
+            f"environment variable LOCAL_RANK: {local}, but this process sees {count} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); every "
+            "rank of a node must see all of the node's GPUs (slurm/common.sh: --gres=gpu:N)"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def init_process_group(timeout_s: float) -> tuple[int, int]:
-    """DeepSpeed's process group (NCCL on GPUs, gloo on CPU ranks); (rank, world size)."""
+    """Bind this rank's GPU, then DeepSpeed's process group (NCCL on GPUs, gloo on CPU
+    ranks); (rank, world size).
+
+    DeepSpeed 0.19.8 passes ``device_id=cuda:LOCAL_RANK`` to torch's ``init_process_group``
+    itself at world size > 1 (``deepspeed/comm/torch.py``), which makes NCCL's communicator
+    eager and bound to that GPU; at world size 1 it leaves it out on purpose (its #8248).
+    """
     import deepspeed
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = bind_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     rank = dist.get_rank()
@@ -77,7 +106,7 @@ def release_shm_workspace(rank: int) -> None:
     segment, so the name can go: the mappings stay valid until each process exits, and nothing
     is left behind, not even after a kill -9.
     """
-    dist.barrier()
+    collectives.barrier()
     env = os.environ
     name = (
         f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}"

@@ -8,9 +8,9 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_branchnorm.partition import TIED_PREFIX, engine_param_to_flat_key
+from megatron_branchnorm.training import collectives
 
 
 class AdamW(torch.optim.AdamW):
@@ -59,14 +59,23 @@ def first_nonfinite_grad(module: torch.nn.Module, names: dict[int, str]) -> tupl
 
 
 def pipeline_grad_norm(module: torch.nn.Module, group) -> float:
-    """L2 norm of all gradients over every pipeline stage, a tied weight counted once."""
-    sq = torch.zeros(1, dtype=torch.float64)
-    for p in module.parameters():
-        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
-    return float(sq.sqrt())
+    """L2 norm of all gradients over every pipeline stage, a tied weight counted once.
+
+    The squares are summed on the gradients' device (one norm kernel per tensor group, no
+    host sync per parameter), reduced over the stages on the communication device, and read
+    once: the one host sync of the update's clipping."""
+    grads = [
+        p.grad.detach()
+        for p in module.parameters()
+        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+    ]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).double()  # (n,), per tensor
+        sq = norms.square().sum().reshape(1)
+    else:
+        sq = torch.zeros(1, dtype=torch.float64)
+    (total,) = collectives.to_host(collectives.all_reduce(sq, group=group))
+    return math.sqrt(total)
 
 
 def install_fp32_grad_norm(
@@ -84,8 +93,7 @@ def install_fp32_grad_norm(
 
     def locate() -> tuple[int, str] | None:
         mine = first_nonfinite_grad(module, names)
-        found = [None] * dist.get_world_size(group)
-        dist.all_gather_object(found, mine and (mine[0], mine[1], stage_id), group=group)
+        found = collectives.all_gather_object(mine and (mine[0], mine[1], stage_id), group)
         found = [f for f in found if f is not None]
         return (min(found)[2], min(found)[1]) if found else None
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import stop_signals
+from megatron_branchnorm.training import collectives
 
 
 class TrainError(RuntimeError):
@@ -23,10 +21,7 @@ class TrainError(RuntimeError):
 def agree_or_raise(world: int, error: str | None) -> None:
     """Collective: raise :class:`TrainError` on every rank when any rank has an error
     (each rank passes its own, or None), with the first failing rank's message."""
-    errors = [error]
-    if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
+    errors = collectives.all_gather_object(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, msg = failed[0]
@@ -55,14 +50,11 @@ class Stopper:
         """(a stop signal reached some rank, the time budget is spent), agreed by all ranks;
         a rank's own error makes every rank raise it."""
         error = self.local_error()
-        flags = torch.tensor(
-            [float(stop_signals.received() != 0), float(time_up), float(error is not None)]
-        )
-        if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[2]:
+        flags = [float(stop_signals.received() != 0), float(time_up), float(error is not None)]
+        signalled, time_up, failed = collectives.to_host(collectives.all_reduce(flags, op="max"))
+        if failed:
             agree_or_raise(self.world, error)
-        return bool(flags[0]), bool(flags[1])
+        return bool(signalled), bool(time_up)
 
     def signalled_before_start(self) -> bool:
         """A signal came while the ranks were starting (it is forgotten: nothing was trained

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import deepspeed
 import torch
-import torch.distributed as dist
 
 from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
@@ -34,6 +33,7 @@ from megatron_branchnorm.pipeline import (
     install_engine_fixes,
 )
 from megatron_branchnorm.run_lock import LockError, RunLock
+from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
 from megatron_branchnorm.training.checkpointer import Checkpointer, check_writable
@@ -53,7 +53,11 @@ from megatron_branchnorm.training.stopping import (
     TrainError,
     agree_or_raise,
 )
-from megatron_branchnorm.training.validation import Validator, reduce_loss_sums
+from megatron_branchnorm.training.validation import (
+    Validator,
+    read_loss_sums,
+    reduce_loss_sums,
+)
 
 
 class Trainer:
@@ -208,7 +212,7 @@ class Trainer:
                 f"signal received before the first update (step {self.step}): nothing new to "
                 f"save, exiting {REQUEUE_EXIT_CODE}"
             )
-            dist.barrier()
+            collectives.barrier()
             return REQUEUE_EXIT_CODE
         exit_code = DONE
         while self.step < max_steps:
@@ -234,7 +238,7 @@ class Trainer:
                 self.checkpointer.save(self.step, self.samples)
         else:
             self.checkpointer.save_if_missing(self.step, self.samples)
-        dist.barrier()
+        collectives.barrier()
         return exit_code
 
     def _update(self, t: int) -> bool:
@@ -251,7 +255,7 @@ class Trainer:
             self.loss_fn.scale = float("nan")
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.engine.train_batch(data_iter=as_engine_items(update.mine, self.engine.device))
-        self.loss_sums = reduce_loss_sums(self.loss_fn, self.world)
+        self.loss_sums = reduce_loss_sums(self.loss_fn)  # on the device: read when logged
         if not self.engine.was_step_applied():
             return False
         self.step += 1
@@ -275,7 +279,7 @@ class Trainer:
         self.validator.restore_patience(self.step, self.rank, self.save_dir)
 
     def _write_progress(self) -> None:
-        loss_sum, nll_sum, count = self.loss_sums
+        loss_sum, nll_sum, count = read_loss_sums(self.loss_sums)
         gn = self.engine.get_global_grad_norm()
         self.progress.write(
             self.step,

@@ -5,24 +5,28 @@ train.eval_interval updates, and early stopping on it (train.patience, fairseq's
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_branchnorm.config import ExperimentConfig
 from megatron_branchnorm.patience import Patience
+from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training.data import as_engine_items, build_batches
 from megatron_branchnorm.training.metrics import MetricsLog, valid_losses
 
 
-def reduce_loss_sums(loss_fn, world: int) -> tuple[float, float, int]:
-    """(label-smoothed loss sum, NLL sum, target tokens) of the micro-batches just run, over
-    all ranks (only last-stage ranks hold non-zero sums); resets ``loss_fn``'s sums."""
-    sums = torch.tensor(
-        [loss_fn.loss_sum, loss_fn.nll_sum, float(loss_fn.ntokens)], dtype=torch.float64
-    )
-    if world > 1:
-        dist.all_reduce(sums)
+def reduce_loss_sums(loss_fn) -> torch.Tensor:
+    """(label-smoothed loss sum, NLL sum, target tokens) of the micro-batches just run, summed
+    over all ranks (only last-stage ranks hold non-zero sums), as a float64 tensor of 3 on the
+    communication device: nothing waits for the GPU until :func:`read_loss_sums`. Resets
+    ``loss_fn``'s sums."""
+    sums = collectives.all_reduce(loss_fn.sums())
     loss_fn.reset()
-    return float(sums[0]), float(sums[1]), int(sums[2])
+    return sums
+
+
+def read_loss_sums(sums: torch.Tensor) -> tuple[float, float, int]:
+    """What :func:`reduce_loss_sums` returned, on the host (one host sync)."""
+    loss_sum, nll_sum, count = collectives.to_host(sums)
+    return loss_sum, nll_sum, int(count)
 
 
 class Validator:
@@ -79,7 +83,7 @@ class Validator:
         self.loss_fn.scale = per_rank * self.dp / ntokens
         items = list(as_engine_items(mine, self.engine.device))
         self.engine.eval_batch(iter(items), num_micro_batches=per_rank)
-        loss_sum, _, count = reduce_loss_sums(self.loss_fn, self.world)
+        loss_sum, _, count = read_loss_sums(reduce_loss_sums(self.loss_fn))
         return loss_sum / max(count, 1)
 
     def run(self, step: int) -> bool:
@@ -105,7 +109,5 @@ class Validator:
         when it is off or the run starts fresh."""
         if not self.patience.patience or not step:
             return
-        losses = [valid_losses(save_dir) if rank == 0 else None]
-        if self.world > 1:
-            dist.broadcast_object_list(losses, src=0)
-        self.patience.restore(losses[0], step)
+        losses = collectives.broadcast_object(valid_losses(save_dir) if rank == 0 else None)
+        self.patience.restore(losses, step)
