@@ -51,6 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_branchnorm.partition import partition_plan
     from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module
     from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
+    from megatron_branchnorm.training import collectives
     from megatron_branchnorm.training.environment import set_thread_count, setup_process_env
 
     setup_process_env()
@@ -96,10 +97,10 @@ def worker(args: argparse.Namespace) -> None:
                     length = max(b["src_tokens"].shape[1] for b in batches)
                     batches = [_pad(b, length, rows * length) for b in batches]
             items = [((b["src_tokens"], b["prev_output_tokens"]), b["target"]) for b in batches]
-            dist.barrier()
+            collectives.barrier()
             t0 = time.perf_counter()
             engine.train_batch(data_iter=iter(items))
-            dist.barrier()
+            collectives.barrier()
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
         results[mode] = sum(times) / len(times)
