@@ -103,8 +103,10 @@ class PipelineConfig:
     """Pipeline stages; data-parallel size is world_size / stages."""
     partition: str = "balanced"
     """balanced (cost model: decoder layers cost more) | uniform | a layout string."""
-    activation_checkpoint_interval: int = 0
-    """Checkpoint every k-th encoder/decoder layer's activations; 0 disables."""
+    activation_checkpoint_interval: int | str = 0
+    """Checkpoint every k-th encoder/decoder layer's activations; 0 disables; "auto": each
+    stage recomputes (every layer) only when the memory planner says that the stage would not
+    fit its device without (docs/design.md §14)."""
 
 
 @dataclass
@@ -459,10 +461,11 @@ def validate(cfg: ExperimentConfig) -> None:
         f"({cfg.model.encoder_layers} encoder + {cfg.model.decoder_layers} decoder + 5)",
     )
     _check(bool(p.partition), "pipeline.partition", "must be balanced, uniform or a layout string")
+    interval = p.activation_checkpoint_interval
     _check(
-        p.activation_checkpoint_interval >= 0,
+        interval == "auto" or (isinstance(interval, int) and interval >= 0),
         "pipeline.activation_checkpoint_interval",
-        f"must be >= 0, got {p.activation_checkpoint_interval}",
+        f"must be an integer >= 0 or auto, got {quote(interval)}",
     )
     _check(t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
     _check(

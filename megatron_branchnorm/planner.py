@@ -204,7 +204,7 @@ class RunPlan:
     dp: int
     micro_batches: int
     micro_batch_tokens: int
-    checkpoint_interval: int
+    checkpoint_interval: int | str  # "auto": per stage (stage_checkpoints)
     precision: Precision
     overhead: float
     stage_plans: list[StagePlan]
@@ -221,15 +221,26 @@ class RunPlan:
         p, m = self.stages, self.micro_batches
         return (p - 1) / (m + p - 1)
 
-    @property
-    def checkpointing(self) -> bool:
-        """Whether the config checkpoints activations."""
+    def stage_checkpoints(self, stage: StagePlan) -> bool:
+        """Whether ``stage`` recomputes its layers: as configured, or under "auto" only when
+        it does not fit one GPU without."""
+        if self.checkpoint_interval == "auto":
+            return stage.total(False, self.overhead) > self.gpu_memory
         return self.checkpoint_interval > 0
 
+    @property
+    def checkpointing(self) -> bool:
+        """Whether some stage checkpoints activations."""
+        return any(self.stage_checkpoints(s) for s in self.stage_plans)
+
     def peak(self, checkpointing: bool | None = None) -> float:
-        """Largest per-GPU estimate over the stages."""
-        ck = self.checkpointing if checkpointing is None else checkpointing
-        return max(s.total(ck, self.overhead) for s in self.stage_plans)
+        """Largest per-GPU estimate over the stages (None: each stage as configured)."""
+        return max(
+            s.total(
+                self.stage_checkpoints(s) if checkpointing is None else checkpointing, self.overhead
+            )
+            for s in self.stage_plans
+        )
 
     def fits(self, checkpointing: bool | None = None) -> bool:
         """Whether every stage's estimate fits in one GPU's memory."""
@@ -369,7 +380,8 @@ def plan_run(
         in_flight = min(p - s, mb)
         without, _ = _activation_bytes(m, enc, dec, tokens, prec.activation, 0)
         # "with checkpointing" for a config that has none is reported at interval 1
-        _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, interval or 1)
+        every = interval if isinstance(interval, int) and interval > 0 else 1
+        _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, every)
         loss = 0.0
         if "output" in kinds:  # logits (act dtype) + fp32 log-softmax + its gradient
             loss = tokens * vocab * (prec.activation + 8)
@@ -405,6 +417,20 @@ def plan_run(
     )
 
 
+def auto_checkpoint_interval(
+    cfg: ExperimentConfig, world: int, stage: int, device_memory: float
+) -> int:
+    """``pipeline.activation_checkpoint_interval`` for ``stage`` of ``cfg`` on ``world``
+    ranks with ``device_memory`` bytes each: the configured interval, or under "auto" 1 when
+    the planner says the stage does not fit without recompute, else 0 (recompute costs a
+    forward pass and its kernel launches: docs/design.md §14)."""
+    interval = cfg.pipeline.activation_checkpoint_interval
+    if interval != "auto":
+        return int(interval)
+    plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
+    return int(plan.stage_checkpoints(plan.stage_plans[stage]))
+
+
 def auto_stages(cfg: ExperimentConfig, gpus: int, gpu_memory: float, **kwargs) -> RunPlan:
     """The plan with the fewest stages (smallest bubble) among divisors of ``gpus`` that fits;
     the largest stage count if none does."""
@@ -430,6 +456,20 @@ def _gb(x: float) -> str:
     return f"{x / GB:.2f}"
 
 
+def _describe_checkpointing(plan: RunPlan) -> str:
+    if plan.checkpoint_interval == "auto":
+        on = [s.stage for s in plan.stage_plans if plan.stage_checkpoints(s)]
+        which = "none" if not on else f"stage(s) {', '.join(map(str, on))}"
+        return f"auto (recompute where a stage does not fit without: {which})"
+    return f"every {plan.checkpoint_interval} layer(s)" if plan.checkpointing else "off"
+
+
+def _as_configured(plan: RunPlan) -> str:
+    if plan.checkpoint_interval == "auto":
+        return "checkpointing auto"
+    return f"{'with' if plan.checkpointing else 'without'} checkpointing"
+
+
 def format_plan(plan: RunPlan) -> str:
     """The plan as a markdown table plus summary lines (``total parameters: X.XXB`` among them)."""
     m = plan.model
@@ -441,8 +481,7 @@ def format_plan(plan: RunPlan) -> str:
         f"topology: {plan.gpus} GPUs x {_gb(plan.gpu_memory)} GB = {plan.stages} stages x "
         f"{plan.dp} data-parallel; {plan.precision.name}, ZeRO-{plan.precision.zero_stage}; "
         f"{plan.micro_batches} micro-batches x {plan.micro_batch_tokens} tokens; "
-        "activation checkpointing: "
-        + (f"every {plan.checkpoint_interval} layer(s)" if ck else "off"),
+        "activation checkpointing: " + _describe_checkpointing(plan),
         "",
         "| stage | entries | enc | dec | params (M) | weights+grads GB | ZeRO-1 optim GB "
         "| in flight | act no-ckpt GB | act ckpt GB | loss GB | total no-ckpt GB | total ckpt GB |",
@@ -466,7 +505,7 @@ def format_plan(plan: RunPlan) -> str:
         f"pipeline bubble: (p-1)/(m+p-1) = ({plan.stages}-1)/({plan.micro_batches}+"
         f"{plan.stages}-1) = {plan.bubble:.1%}",
         f"overhead per GPU (CUDA context, NCCL, fragmentation): {_gb(plan.overhead)} GB",
-        f"peak per GPU as configured ({'with' if ck else 'without'} checkpointing): "
+        f"peak per GPU as configured ({_as_configured(plan)}): "
         f"{_gb(plan.peak())} GB of {_gb(plan.gpu_memory)} GB -> {verdict}",
         f"peak per GPU {'without' if ck else 'with'} checkpointing: {_gb(plan.peak(not ck))} GB "
         f"-> {other}",

@@ -121,10 +121,20 @@ class TrainStream:
         self.iterator = iter(self.batches)
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``; to a GPU through pinned memory without blocking the host (a
+    copy from pageable memory waits for the GPU to take it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def as_engine_items(batches: list[dict], device):
-    """The (inputs, labels) pairs DeepSpeed's pipeline engine takes, on ``device``."""
+    """The (inputs, labels) pairs DeepSpeed's pipeline engine takes, on ``device`` (made only
+    when the engine asks: only the first and last stages load micro-batches)."""
     for b in batches:
         yield (
-            (b["src_tokens"].to(device), b["prev_output_tokens"].to(device)),
-            b["target"].to(device),
+            (to_device(b["src_tokens"], device), to_device(b["prev_output_tokens"], device)),
+            to_device(b["target"], device),
         )

@@ -122,6 +122,15 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def device_memory_bytes() -> float:
+    """Memory of this rank's device: the bound GPU's, or on CPU ranks the machine's physical
+    memory shared by the ranks of this node (what the planner's "auto" choices are made for)."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / max(1, local)
+
+
 def peak_memory_mb() -> float:
     """Peak memory of this rank: the GPU's allocations, or the process's resident set."""
     if torch.cuda.is_available():

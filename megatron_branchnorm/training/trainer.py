@@ -32,6 +32,7 @@ from megatron_branchnorm.pipeline import (
     build_pipeline_module,
     install_engine_fixes,
 )
+from megatron_branchnorm.planner import auto_checkpoint_interval
 from megatron_branchnorm.run_lock import LockError, RunLock
 from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training import ds_config as dsc
@@ -124,13 +125,13 @@ class Trainer:
         """The stage's module, DeepSpeed's engine, the data and the parts of the loop."""
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
-        module = build_pipeline_module(
-            cfg.model,
-            self.parts,
-            cfg.train.seed,
-            self.loss_fn,
-            cfg.pipeline.activation_checkpoint_interval,
+        module = build_pipeline_module(cfg.model, self.parts, cfg.train.seed, self.loss_fn)
+        # Recompute as configured, or under "auto" where the planner says this stage would
+        # not fit its device without (docs/design.md §14): it costs a forward per layer.
+        self.ckpt_interval = auto_checkpoint_interval(
+            cfg, self.world, module.stage_id, env.device_memory_bytes()
         )
+        module.set_checkpoint_interval(self.ckpt_interval)
         self.fp32 = not (
             self.ds_config.get("fp16", {}).get("enabled")
             or self.ds_config.get("bf16", {}).get("enabled")
@@ -275,6 +276,12 @@ class Trainer:
             f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
         )
         self.metrics.log(describe_plan(cfg.model, self.parts))
+        if cfg.pipeline.activation_checkpoint_interval == "auto":
+            self.metrics.log(
+                f"activation checkpointing auto: stage {self.stage_id} "
+                + ("recomputes every layer" if self.ckpt_interval else "does not recompute")
+                + f" ({env.device_memory_bytes() / 2**30:.1f} GiB per rank)"
+            )
         self.progress.start(self.step)  # the clock of elapsed_s, the ETA and the time budget
         self.validator.restore_patience(self.step, self.rank, self.save_dir)
 

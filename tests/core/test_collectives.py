@@ -218,3 +218,26 @@ def test_a_local_rank_without_its_gpu_is_refused(fake_gpus, monkeypatch) -> None
     with pytest.raises(ConfigError, match="LOCAL_RANK: 8, but this process sees 8 GPU"):
         environment.init_process_group(60.0)
     assert fake_gpus == []
+
+
+def test_batches_go_to_the_gpu_through_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batches reach a CUDA device by a non-blocking copy from pinned memory (a copy
+    from pageable memory blocks the host); on the CPU they are left as they are."""
+    from megatron_branchnorm.training.data import as_engine_items
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append(("pin",)) or t)
+    real_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):  # noqa: ANN001
+        calls.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+        return t if str(args[0]).startswith("cuda") else real_to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch = {k: torch.ones(2, 3, dtype=torch.long) for k in ("src_tokens", "prev_output_tokens")}
+    batch["target"] = torch.ones(2, 3, dtype=torch.long)
+    list(as_engine_items([batch], torch.device("cuda", 2)))
+    assert calls == [("pin",), ("to", "cuda:2", True)] * 3
+    calls.clear()
+    list(as_engine_items([batch], torch.device("cpu")))
+    assert calls == [("to", "cpu", False)] * 3

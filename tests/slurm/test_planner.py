@@ -147,3 +147,23 @@ def test_cli_prints_the_table_and_total(tmp_path):
         timeout=60,
     )
     assert small_gpu.returncode == 1 and "does NOT fit" in small_gpu.stdout
+
+
+def test_auto_recompute_is_chosen_per_stage_by_the_plan() -> None:
+    """activation_checkpoint_interval=auto: a stage recomputes exactly when its estimate
+    without recompute exceeds the device (the early stages hold more micro-batches in
+    flight), and the trainer's choice for each stage is the plan's."""
+    from megatron_branchnorm.planner import auto_checkpoint_interval
+
+    cfg = load_config("opus100_1000L", ["pipeline.activation_checkpoint_interval=auto"])
+    plan = plan_run(cfg, 32, 40 * GB)
+    chosen = [auto_checkpoint_interval(cfg, 32, s.stage, 40 * GB) for s in plan.stage_plans]
+    needs = [int(s.total(False, plan.overhead) > 40 * GB) for s in plan.stage_plans]
+    assert chosen == needs
+    assert 0 < sum(chosen) < len(chosen)  # 1000L on 40 GB: some stages need it, some do not
+    assert plan.fits() and not plan.fits(checkpointing=False)
+    assert "auto (recompute where a stage does not fit without: stage(s) 0," in format_plan(plan)
+    roomy = plan_run(cfg, 32, 400 * GB)
+    assert not roomy.checkpointing
+    fixed = load_config("opus100_1000L", ["pipeline.activation_checkpoint_interval=2"])
+    assert auto_checkpoint_interval(fixed, 32, 15, 400 * GB) == 2  # a number is taken as set
