@@ -113,11 +113,15 @@ class MultiheadAttention(nn.Module):
         return self.out
 
     def _split(self, x: torch.Tensor, n: int) -> list[torch.Tensor]:
-        """(B, T, n*C) -> n views (B, H, T, Dh), unbound from one permuted view (slicing the
-        last dimension instead measured 1.000x: tools/_bench_micro.py --split-ab)."""
+        """(B, T, n*C) -> n views (B, H, T, Dh): unbound along the chunk dimension, then each
+        transposed. The backward of ``unbind`` stacks the n gradients along that dimension,
+        which is already (B, T, n, H, Dh), the projection's layout: one kernel, where
+        unbinding a permuted (n, B, H, T, Dh) view needed a stack and a copy back."""
         b, t, _ = x.shape
-        x = x.view(b, t, n, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (n, B, H, T, Dh)
-        return list(x.unbind(0))
+        if n == 1:  # no unbind: its backward would copy the one gradient (a stack of one)
+            return [x.view(b, t, self.heads, self.head_dim).transpose(1, 2)]
+        chunks = x.view(b, t, n, self.heads, self.head_dim).unbind(2)  # n x (B, T, H, Dh)
+        return [c.transpose(1, 2) for c in chunks]
 
     def forward(
         self,

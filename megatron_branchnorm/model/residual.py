@@ -9,9 +9,10 @@ Every sublayer F (self-attention, cross-attention, feed-forward) sits in a resid
 
 F includes its output dropout. DeepNorm's alpha is a constant per stack (deepnorm_constants;
 ``Residual.deepnorm_alpha``); BranchNorm's alpha_t comes from the training step
-(branchnorm_alpha) and is set on the blocks (``Residual.branch_scale``, by set_branch_scale) as
-a Python float before every update, never stored as a parameter. After T steps BranchNorm
-is exactly Post-LN.
+(branchnorm_alpha) and is set on the blocks by set_branch_scale before every update: a 0-dim
+tensor on the stage's device, filled in place, that the block reads (a compiled graph sees each
+new value), beside the Python float ``Residual.branch_scale`` for logging and export; never a
+parameter. After T steps BranchNorm is exactly Post-LN, and its blocks run Post-LN's code.
 
 Initialisation (DeepNet paper, Fig. 2 pseudocode): Xavier-normal with gain beta for the value
 and output projections of every attention (cross-attention included) and both FFN matrices;
@@ -323,6 +324,9 @@ class Residual(nn.Module):
         """Set alpha_t as a constant (tests, export); :func:`set_branch_scale` sets the shared
         0-dim tensor that training reads."""
         self._branch_scale = float(value)
+        # a bool, not the float, is what forward branches on: a compiled forward guards on
+        # it and recompiles once (at t = T), not at every new alpha_t
+        self.scale_is_one = self._branch_scale == 1.0
         self.scale_tensor: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -334,6 +338,8 @@ class Residual(nn.Module):
         # backward); at s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
         if self.scheme is Scheme.DEEPNORM:
             return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.deepnorm_alpha))
+        if self.scale_is_one:  # past warm-up: Post-LN exactly, no scale to apply
+            return self.norm(x + self.dropout(f(x)))
         if self.scale_tensor is not None:  # (): alpha_t on the device, filled once per update
             return self.norm(torch.addcmul(x, self.dropout(f(x)), self.scale_tensor))
         return self.norm(torch.add(x, self.dropout(f(x)), alpha=self.branch_scale))
