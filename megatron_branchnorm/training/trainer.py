@@ -37,6 +37,7 @@ from megatron_branchnorm.run_lock import LockError, RunLock
 from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
+from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
 from megatron_branchnorm.training.checkpointer import Checkpointer, check_writable
 from megatron_branchnorm.training.data import (
     TrainStream,
@@ -156,6 +157,7 @@ class Trainer:
                 f"rejects it: {one_line(str(exc), 300)}"
             ) from None
         install_engine_fixes(self.engine)
+        install_bf16_grad_accumulation(self.engine)  # bf16 grads into fp32 in one kernel (§2.3)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.stage_id = self.engine.stage_id
         dp_id = self.engine.grid.data_parallel_id
