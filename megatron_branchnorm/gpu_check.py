@@ -11,9 +11,15 @@ It prints one table. On the device (``cuda`` when available):
    equal those with it off;
 3. **Apex**: FusedLayerNorm against torch's LayerNorm when Apex is importable, else the table
    says that torch's LayerNorm runs;
-4. **throughput**: train.py for a few updates of a 12L-12L d=512 model with 16k tokens per
-   micro-batch (bf16, 1 stage), its tokens/s and peak memory beside the planner's prediction;
-5. **pipeline parity**: with 2 or more devices (``--ranks``), 2 and 4 stages against 1 stage
+4. **throughput**: train.py end to end on one rank (its collectives included: they run at
+   world size 1 too) for a few updates of a 12L-12L d=512 model with 16k tokens per
+   micro-batch (bf16 + ZeRO-1, 1 stage): tokens/s, the fraction of the device's measured bf16
+   matmul peak, peak memory beside the planner's prediction; on a GPU also with
+   ``model.compile=true`` and, where Apex is importable, with Apex off;
+5. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and the
+   host syncs per micro-batch (``experiments/launches.py``, opus100_200L's settings);
+6. **2 stages end to end**: with 2 or more devices, train.py as 2 stages in bf16 + ZeRO-1;
+7. **pipeline parity**: with 2 or more devices (``--ranks``), 2 and 4 stages against 1 stage
    over 8 updates (fp32, NCCL on GPUs), as the CPU tests do over gloo.
 
 The 1-stage pipeline and the flat model in the same precision differ by the order of a few
@@ -256,10 +262,28 @@ def _updates(save_dir: Path) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+def _variants(device: str) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of the throughput runs: as shipped, then (on a GPU) with the layers
+    compiled, and with torch's LayerNorm where Apex is importable (Apex on and off)."""
+    from megatron_branchnorm.model.residual import apex_layernorm_class
+
+    variants = [("as shipped", [])]
+    if device != "cuda":
+        return variants  # the CPU run checks the path; compile and Apex are GPU questions
+    variants.append(("model.compile=true", ["model.compile=true"]))
+    if apex_layernorm_class() is not None:
+        variants.append(("Apex off", ["model.layernorm_impl=torch"]))
+    return variants
+
+
 def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
+    """train.py end to end on one rank (its collectives included: they run at world size 1
+    too), bf16 + ZeRO-1: tokens/s, the fraction of the device's measured bf16 matmul peak,
+    peak memory, for each of :func:`_variants`."""
     import torch
 
     from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.experiments.benchmark import matmul_peak
     from megatron_branchnorm.planner import plan_run
 
     size = THROUGHPUT_GPU if device == "cuda" else THROUGHPUT_CPU
@@ -267,20 +291,62 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     overrides = [*size, "data.dataset=synthetic", "pipeline.stages=1", "train.micro_batches=1",
                  f"train.max_steps={steps}", "train.log_interval=1", "train.eval_interval=0",
                  "train.save_interval=0", f"train.deepspeed_config={DS_CONFIG_DIR / ds}"]  # fmt: skip
-    _launch(1, overrides, work / "throughput", timeout=1800)
-    rows = _updates(work / "throughput")[1:]  # the first update includes warm-up
-    tps = statistics.median(r["tokens_per_sec"] for r in rows)
-    mem = max(r["memory_mb"] for r in rows) / 1024
     cfg = load_config("tiny_cpu", overrides)
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
     plan = plan_run(cfg, 1, float(memory), stages=1)
     predicted = 2 * plan.tokens_per_update / plan.seconds_per_update  # source + target tokens
+    peak = matmul_peak(torch.get_num_threads(), device=device, dtypes=("bf16",))["bf16"]
     what = "12L-12L d=512, 16k tokens/micro-batch" if device == "cuda" else "2L-2L tiny (CPU)"
+    rows = [Row(f"bf16 matmul peak ({'8192' if device == 'cuda' else '2048'}^3)",
+                f"{peak / 1e3:,.1f} TFLOP/s")]  # fmt: skip
+    for i, (name, extra) in enumerate(_variants(device)):
+        run_dir = work / f"throughput{i}"
+        _launch(1, [*overrides, *extra], run_dir, timeout=1800)
+        updates = _updates(run_dir)[1:]  # the first update includes warm-up (and compiling)
+        tps = statistics.median(r["tokens_per_sec"] for r in updates)
+        mem = max(r["memory_mb"] for r in updates) / 1024
+        achieved = plan.flops_per_update * tps / (2 * plan.tokens_per_update)  # FLOP/s
+        rows += [
+            Row(f"train.py {what}, bf16, {name}: tokens/s (median of {len(updates)})",
+                f"{tps:,.0f} (planner at {plan.tflops:g} TFLOP/s: {predicted:,.0f}); "
+                f"{achieved / 1e12:.2f} TFLOP/s = {achieved / (peak * 1e9):.1%} of the bf16 "
+                "matmul peak"),
+            Row(f"train.py peak memory, {name}",
+                f"{mem:.2f} GiB (planner: {plan.peak() / 2**30:.2f} GiB)"),
+        ]  # fmt: skip
+    return rows
+
+
+def launch_rows(device: str) -> list[Row]:
+    """Kernel-launching ops per layer per micro-batch inside train_batch and host syncs per
+    micro-batch (experiments/launches.py) with opus100_200L's settings on a GPU (the CUDA
+    kernels: its dropout is one fused kernel), tiny_cpu's on the CPU."""
+    from megatron_branchnorm.experiments.launches import measure_config
+
+    config = "opus100_200L" if device == "cuda" else "tiny_cpu"
+    res = measure_config(config, micro_batches=2, memory=False, jobs=1)
     return [
-        Row(f"train.py {what}, bf16: tokens/s (median of {len(rows)})",
-            f"{tps:,.0f} (planner at {plan.tflops:g} TFLOP/s: {predicted:,.0f})"),
-        Row("train.py peak memory", f"{mem:.2f} GiB (planner: {plan.peak() / 2**30:.2f} GiB)"),
+        Row(f"kernel ops per layer per micro-batch ({config}, encoder / decoder / mean)",
+            f"{res['enc_ops_per_layer_mb']:.1f} / {res['dec_ops_per_layer_mb']:.1f} / "
+            f"{res['avg_ops_per_layer_mb']:.1f}"),
+        Row("host syncs per micro-batch inside train_batch", f"{res['host_syncs_per_mb']:g}",
+            "0", res["host_syncs_per_mb"] == 0),
     ]  # fmt: skip
+
+
+def two_stage_rows(ranks: int, work: Path) -> list[Row]:
+    """train.py on 2 ranks as 2 stages, bf16 + ZeRO-1 (NCCL on GPUs): every collective of the
+    update (pipeline send/recv, tied embedding, loss sums, stop flags) on real devices."""
+    if ranks < 2:
+        return [Row("2 stages bf16 + ZeRO-1 end to end", f"not run: {ranks} rank(s)")]
+    overrides = ["pipeline.stages=2", "train.max_steps=4", "train.log_interval=1",
+                 "train.eval_interval=2", "train.save_interval=0", "train.micro_batches=2",
+                 f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}"]  # fmt: skip
+    _launch(2, overrides, work / "two_stage_bf16", timeout=900)
+    rows = _updates(work / "two_stage_bf16")
+    ok = len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
+    return [Row("2 stages bf16 + ZeRO-1 end to end: updates, finite losses",
+                f"{len(rows)}, last loss {rows[-1]['loss']:.4f}" if rows else "none", "4", ok)]  # fmt: skip
 
 
 def parity_rows(ranks: int, work: Path) -> list[Row]:
@@ -329,6 +395,8 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
     rows += precision_rows(device, precisions)
     rows += apex_rows(device)
     rows += throughput_rows(device, work, steps)
+    rows += launch_rows(device)
+    rows += two_stage_rows(ranks, work)
     rows += parity_rows(ranks, work)
     return rows
 

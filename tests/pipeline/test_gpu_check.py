@@ -40,7 +40,13 @@ def test_gpu_check_on_cpu_prints_one_passing_table(tmp_path):
     assert checks["2 stages vs 1 stage, 8 updates, fp32: loss"].endswith("| PASS |")
     assert "not run: 2 rank(s)" in checks["4 stages vs 1 stage"]
     assert "Apex FusedLayerNorm" in " ".join(checks)
-    assert any(c.startswith("train.py 2L-2L tiny (CPU), bf16: tokens/s") for c in checks)
+    assert any(
+        c.startswith("train.py 2L-2L tiny (CPU), bf16, as shipped: tokens/s") for c in checks
+    )
+    assert "of the bf16 matmul peak" in " ".join(checks.values())
+    assert checks["host syncs per micro-batch inside train_batch"].endswith("| PASS |")
+    assert any(c.startswith("kernel ops per layer per micro-batch (tiny_cpu") for c in checks)
+    assert checks["2 stages bf16 + ZeRO-1 end to end: updates, finite losses"].endswith("| PASS |")
 
 
 def test_a_failed_check_exits_1(monkeypatch, capsys, tmp_path):
