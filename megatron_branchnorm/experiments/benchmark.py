@@ -23,6 +23,10 @@ Sections (``--sections``, comma-separated; default all):
   Random weights by default (every sentence runs to its length limit); ``--beam-export E
   --beam-data D`` times a trained export on the first test sentences of each direction of D.
 - ``preprocess``: tools/preprocess_data.py sentence pairs/s on a locale corpus.
+- ``launches``: kernel-launching aten ops per encoder and decoder layer per micro-batch inside
+  DeepSpeed's ``train_batch``, host syncs per micro-batch and the last stage's peak memory,
+  for the shipped configs in ``--launch-configs`` (launches.py; issue 28). Counts, not
+  timings: the load does not move them.
 
 Always record the machine load: timings on a shared machine are noisy; ratios within one run
 are what the script reports.
@@ -48,7 +52,7 @@ from megatron_branchnorm.hardware import cpu_info, default_dtypes
 from megatron_branchnorm.launch import CHECKOUT, free_port, tool_command
 from megatron_branchnorm.resources import DS_CONFIG_DIR
 
-SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess")
+SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess", "launches")
 
 
 def load() -> str:
@@ -607,6 +611,27 @@ def _count_pairs(manifest: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Kernel launches per layer
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_launches(a: argparse.Namespace, work: Path) -> dict:
+    """Kernel-launching ops per layer per micro-batch, host syncs and the last stage's peak
+    memory of each config in ``--launch-configs`` (launches.measure)."""
+    from megatron_branchnorm.experiments import launches  # torch: only when this section runs
+
+    configs = [c for c in (a.launch_configs or ",".join(launches.DEFAULT_CONFIGS)).split(",") if c]
+    res = launches.measure(configs, timeout=a.timeout)
+    for name, r in res["configs"].items():
+        log(
+            f"launches {name}: enc {r['enc_ops_per_layer_mb']:.1f}, dec "
+            f"{r['dec_ops_per_layer_mb']:.1f} ops/layer/micro-batch, "
+            f"{r['host_syncs_per_mb']:.2f} host syncs/micro-batch"
+        )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
 
@@ -636,6 +661,12 @@ def print_report(res: dict) -> None:
     for key in ("trainstep", "pipeline", "deep", "beam", "preprocess"):
         if key in res:
             print(f"\n## {key}\n{json.dumps(res[key], indent=1)}")
+    if "launches" in res:
+        from megatron_branchnorm.experiments.launches import format_table
+
+        r = res["launches"]
+        text = json.dumps(r) if "error" in r else format_table(r)
+        print(f"\n## launches (kernel-launching ops per layer per micro-batch)\n{text}")
 
 
 def main() -> int:
@@ -669,6 +700,12 @@ def main() -> int:
     )
     p.add_argument(
         "--beam-data", default=None, help="beam: with --beam-export, its DATA_DIR (test split)"
+    )
+    p.add_argument(
+        "--launch-configs",
+        default=None,
+        help="launches: the shipped configs whose ops per layer are counted "
+        "(default: opus100_12L,opus100_200L,opus100_1000L)",
     )
     p.add_argument(
         "--baseline",
@@ -727,6 +764,7 @@ def main() -> int:
         "deep": bench_deep,
         "beam": bench_beam,
         "preprocess": bench_preprocess,
+        "launches": bench_launches,
     }
     for name, fn in runners.items():
         if name in sections:
