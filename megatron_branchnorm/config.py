@@ -77,6 +77,10 @@ class ModelConfig:
     """LayerNorm epsilon."""
     max_positions: int = 1024
     """Longest sequence the sinusoidal position table covers."""
+    compile: bool = False
+    """Run each encoder and decoder layer's forward through torch.compile (inductor, dynamic
+    shapes; aot_eager where no C++ compiler is found): model/compile.py. Off until a GPU shows
+    the gain (docs/performance.md); the weights are the same either way."""
 
 
 @dataclass

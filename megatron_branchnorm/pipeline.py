@@ -28,6 +28,7 @@ from torch import nn
 
 from megatron_branchnorm.config import ModelConfig
 from megatron_branchnorm.model.attention import padding_bias
+from megatron_branchnorm.model.compile import layer_body
 from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_logits
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
@@ -81,11 +82,18 @@ class StageBias:
 
 
 class EncoderLayerPipe(EncoderLayer):
-    """An EncoderLayer on the (x, src, prev) tuple; same parameter names as EncoderLayer."""
+    """An EncoderLayer on the (x, src, prev) tuple; same parameter names as EncoderLayer.
+    Its body is EncoderLayer.forward, compiled with ``model.compile`` (model/compile.py)."""
+
+    def __init__(
+        self, cfg: ModelConfig, deepnorm_alpha: float, beta: float, seed: int, index: int
+    ) -> None:
+        super().__init__(cfg, deepnorm_alpha, beta, seed, index)
+        self.body = layer_body(EncoderLayer.forward, cfg.compile)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x, src_tokens, prev_tokens = inputs
-        return super().forward(x, StageBias.get(src_tokens, x.dtype)), src_tokens, prev_tokens
+        return self.body(self, x, StageBias.get(src_tokens, x.dtype)), src_tokens, prev_tokens
 
 
 class FinalNormPipe(nn.Module):
@@ -105,17 +113,19 @@ class FinalNormPipe(nn.Module):
 
 class DecoderLayerPipe(DecoderLayer):
     """A DecoderLayer on (x, memory, src); the last one returns x alone, so memory's gradient
-    is complete on the stage of its last user."""
+    is complete on the stage of its last user. Its body is DecoderLayer.forward, compiled with
+    ``model.compile`` (model/compile.py)."""
 
     def __init__(
         self, cfg: ModelConfig, deepnorm_alpha: float, beta: float, seed: int, index: int
     ) -> None:
         super().__init__(cfg, deepnorm_alpha, beta, seed, index)
         self.is_last = index == cfg.decoder_layers - 1
+        self.body = layer_body(DecoderLayer.forward, cfg.compile)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]):
         x, memory, src_tokens = inputs
-        x = super().forward(x, memory, StageBias.get(src_tokens, x.dtype))
+        x = self.body(self, x, memory, StageBias.get(src_tokens, x.dtype))
         return x if self.is_last else (x, memory, src_tokens)
 
 

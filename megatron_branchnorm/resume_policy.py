@@ -46,6 +46,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "model.attention_dropout",
     "model.activation_dropout",
     "model.layernorm_impl",
+    "model.compile",
     "pipeline.stages",
     "pipeline.partition",
     "pipeline.activation_checkpoint_interval",

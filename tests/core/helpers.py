@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 from megatron_branchnorm.config import ModelConfig
@@ -34,3 +37,22 @@ def random_tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     """(batch, length) word ids (never pad/bos/eos), reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_WORD_ID, VOCAB, (batch, length), generator=gen)
+
+
+@contextlib.contextmanager
+def one_rank_process_group(timeout_s: float = 120.0) -> Iterator[None]:
+    """This process as a world of one rank (the trainer's own process group set-up, gloo on
+    CPU) for tests that build a DeepSpeed engine in-process; torn down on exit."""
+    from megatron_branchnorm.launch import free_port
+    from megatron_branchnorm.training import environment
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        environment.init_process_group(timeout_s)
+        try:
+            yield
+        finally:
+            environment.destroy_process_group()

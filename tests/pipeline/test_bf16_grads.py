@@ -36,6 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.core.helpers import one_rank_process_group
+
 STEPS = 3
 MICRO = 2
 SAVE_AT = 2  # the fixed 1-stage run saves here; a fresh engine loads it and runs the rest
@@ -216,25 +218,8 @@ def _check_parity(default: dict, ours: dict, keys=("loss", "grad_norm")) -> None
 
 @pytest.fixture(scope="module")
 def one_stage(tmp_path_factory):
-    from megatron_branchnorm.launch import free_port
-    from megatron_branchnorm.training import environment
-
-    env = {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        environment.init_process_group(120)
-        try:
-            yield _run_both(1, tmp_path_factory.mktemp("bf16_grads"))
-        finally:
-            environment.destroy_process_group()
+    with one_rank_process_group():
+        yield _run_both(1, tmp_path_factory.mktemp("bf16_grads"))
 
 
 def test_one_kernel_per_parameter_per_micro_batch(one_stage):
