@@ -294,6 +294,33 @@ class LaunchCounter(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------
 
 
+class CompiledLaunchCounter(LaunchCounter):
+    """:class:`LaunchCounter` for ``model.compile=true``: a Dynamo "infra" mode, so compiled
+    code runs under it (a plain dispatch mode makes Dynamo run the frame eagerly), counting
+    the aten ops compiled code still dispatches (matmuls, attention) plus one op per kernel
+    that inductor generated, from profiler events (``cpp_fused_*`` on CPU, ``triton_*`` on
+    CUDA; the CPU ones need ``torch._inductor.config.cpp.enable_kernel_profile``)."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def __enter__(self) -> CompiledLaunchCounter:
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profiler.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        self._profiler.__exit__(None, None, None)
+        names = (e.name for e in self._profiler.events())
+        n = sum(1 for name in names if name.startswith(("cpp_fused", "triton_")))
+        self.ops["inductor.generated_kernel"] += n
+        self.by_phase["inductor kernels"] += n  # the profiler sees a whole activation
+        self.phase_ops["inductor kernels|inductor.generated_kernel"] += n
+        return out
+
+
 def instrument_engine(engine: Any, counter: LaunchCounter, warmup: int) -> None:
     """Wrap ``engine.train_batch`` (the instance attribute): calls after the first ``warmup``
     run inside ``counter``, with ``counter.phase`` naming the pipeline instruction running
@@ -376,7 +403,13 @@ def run_child(spec: dict) -> dict:
             ],
         )
         trainer = Trainer(cfg)
-        counter = LaunchCounter()
+        if cfg.model.compile:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.cpp.enable_kernel_profile = True
+            counter: LaunchCounter = CompiledLaunchCounter()
+        else:
+            counter = LaunchCounter()
         instrument_engine(trainer.engine, counter, warmup)
         # the run's end would save a checkpoint: the measurement needs none
         trainer.checkpointer.save_if_missing = lambda *_args, **_kwargs: None
@@ -594,8 +627,10 @@ def measure(
     jobs: int = 2,
     timeout: float = 1800.0,
     dropout_as_cuda: bool = False,
+    compile_layers: bool = False,
 ) -> dict:
-    """:func:`measure_config` of every config, with the machine's CPU line."""
+    """:func:`measure_config` of every config, with the machine's CPU line; with
+    ``compile_layers``, under ``model.compile=true``."""
     from megatron_branchnorm.hardware import cpu_info
 
     out = {
@@ -614,6 +649,7 @@ def measure(
             jobs,
             timeout,
             dropout_as_cuda=dropout_as_cuda,
+            extra=("model.compile=true",) if compile_layers else (),
         )
     return out
 
@@ -685,6 +721,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
     p.add_argument("--jobs", type=int, default=2, help="op-count runs at a time")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="count with model.compile=true (inductor's generated kernels counted as ops)",
+    )
+    p.add_argument(
         "--dropout-as-cuda",
         action="store_true",
         help="count CUDA's dropout (native_dropout, one op) instead of the CPU's mask",
@@ -711,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         a.jobs,
         a.timeout,
         dropout_as_cuda=a.dropout_as_cuda,
+        compile_layers=a.compile,
     )
     res["command"] = " ".join(["python -m megatron_branchnorm.experiments.launches", *sys.argv[1:]])
     if a.json:
