@@ -184,10 +184,12 @@ class PipeLoss:
         """Clear the accumulated sums."""
         self._sums: torch.Tensor | None = None  # (loss, nll, tokens), float64, on the device
 
-    def sums(self) -> torch.Tensor:
-        """(loss sum, NLL sum, target tokens) since :meth:`reset`, float64 (zeros on a stage
-        that computed no loss)."""
-        return self._sums if self._sums is not None else torch.zeros(3, dtype=torch.float64)
+    def sums(self, device: torch.device | None = None) -> torch.Tensor:
+        """(loss sum, NLL sum, target tokens) since :meth:`reset`, float64 (zeros, made on
+        ``device``, on a stage that computed no loss)."""
+        if self._sums is not None:
+            return self._sums
+        return torch.zeros(3, dtype=torch.float64, device=device)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss, nll, ntok = label_smoothed_nll_loss(logits, target, self.label_smoothing)
@@ -341,6 +343,17 @@ def _typed_recv_buffer(engine: PipelineEngine, idx: int, shape: list[int], dtype
     return buf[:numel].view(shape)
 
 
+def unsupported_deepspeed(what: str) -> RuntimeError:
+    """The error for a DeepSpeed whose private engine or optimizer methods differ from the
+    0.19.8 ones our engine fixes replace (docs/design.md §2)."""
+    import deepspeed
+
+    return RuntimeError(
+        f"DeepSpeed {deepspeed.__version__}: {what}; megatron_branchnorm needs "
+        "deepspeed>=0.19.8,<0.20 (docs/design.md §2)"
+    )
+
+
 def install_engine_fixes(engine: PipelineEngine) -> None:
     """Apply our two changes to this engine instance (DeepSpeed's class is untouched):
     :func:`_backward_once` for BackwardPass and :func:`_typed_recv_buffer` for receive
@@ -348,11 +361,6 @@ def install_engine_fixes(engine: PipelineEngine) -> None:
     DeepSpeed without them is refused here rather than failing mid-step."""
     for name in ("_allocate_or_extend_buffers", "_INSTRUCTION_MAP", "_exec_recv_grads"):
         if not hasattr(type(engine), name):
-            import deepspeed
-
-            raise RuntimeError(
-                f"DeepSpeed {deepspeed.__version__}: PipelineEngine.{name} is missing; "
-                "megatron_branchnorm needs deepspeed>=0.19.8,<0.20 (docs/design.md)"
-            )
+            raise unsupported_deepspeed(f"PipelineEngine.{name} is missing")
     install_backward_once(engine)
     engine._allocate_or_extend_buffers = functools.partial(_typed_recv_buffer, engine)

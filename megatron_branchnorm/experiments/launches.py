@@ -618,39 +618,20 @@ def measure_config(
     return res
 
 
-def measure(
-    configs: list[str],
-    micro_batches: int | None = None,
-    updates: int = 2,
-    memory: bool = True,
-    vocab: int = MEMORY_VOCAB,
-    jobs: int = 2,
-    timeout: float = 1800.0,
-    dropout_as_cuda: bool = False,
-    compile_layers: bool = False,
-) -> dict:
-    """:func:`measure_config` of every config, with the machine's CPU line; with
-    ``compile_layers``, under ``model.compile=true``."""
+def measure(configs: list[str], compile_layers: bool = False, **options: Any) -> dict:
+    """:func:`measure_config` of every config with ``options`` (its keyword arguments), with
+    the machine's CPU line; with ``compile_layers``, under ``model.compile=true``."""
     from megatron_branchnorm.hardware import cpu_info
 
     out = {
         "cpu": cpu_info().describe(),
         "torch": torch.__version__,
-        "micro_batches_override": micro_batches,
+        "micro_batches_override": options.get("micro_batches"),
         "configs": {},
     }
+    extra = ("model.compile=true",) if compile_layers else ()
     for name in configs:
-        out["configs"][name] = measure_config(
-            name,
-            micro_batches,
-            updates,
-            memory,
-            vocab,
-            jobs,
-            timeout,
-            dropout_as_cuda=dropout_as_cuda,
-            extra=("model.compile=true",) if compile_layers else (),
-        )
+        out["configs"][name] = measure_config(name, extra=extra, **options)
     return out
 
 
@@ -745,14 +726,14 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in a.configs.split(",") if c]
     res = measure(
         configs,
-        a.micro_batches or None,
-        a.updates,
-        not a.no_memory,
-        a.vocab,
-        a.jobs,
-        a.timeout,
-        dropout_as_cuda=a.dropout_as_cuda,
         compile_layers=a.compile,
+        micro_batches=a.micro_batches or None,
+        updates=a.updates,
+        memory=not a.no_memory,
+        vocab=a.vocab,
+        jobs=a.jobs,
+        timeout=a.timeout,
+        dropout_as_cuda=a.dropout_as_cuda,
     )
     res["command"] = " ".join(["python -m megatron_branchnorm.experiments.launches", *sys.argv[1:]])
     if a.json:

@@ -63,6 +63,8 @@ import inspect
 
 import torch
 
+from megatron_branchnorm.pipeline import unsupported_deepspeed
+
 _NEEDED_METHODS = (
     "_update_hp_grad",
     "update_hp_grads",
@@ -77,16 +79,6 @@ _NEEDED_STATE = (
     "immediate_grad_update",
 )
 _SIGNATURE = ["self", "lp", "group_idx", "param_idx", "clear_lp_grads"]
-
-
-def _refuse(what: str) -> RuntimeError:
-    import deepspeed
-
-    return RuntimeError(
-        f"DeepSpeed {deepspeed.__version__}: {what}; megatron_branchnorm's bf16 gradient "
-        "accumulation (training/bf16_grads.py) replaces BF16_Optimizer._update_hp_grad of "
-        "deepspeed>=0.19.8,<0.20 (docs/design.md §2)"
-    )
 
 
 @torch.no_grad()
@@ -118,18 +110,22 @@ def install_bf16_grad_accumulation(engine) -> bool:
     try:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     except ImportError as exc:
-        raise _refuse(f"deepspeed.runtime.bf16_optimizer.BF16_Optimizer: {exc}") from None
+        raise unsupported_deepspeed(
+            f"deepspeed.runtime.bf16_optimizer.BF16_Optimizer: {exc}"
+        ) from None
     optimizer = getattr(engine, "optimizer", None)
     if not isinstance(optimizer, BF16_Optimizer):
         return False
     for name in _NEEDED_METHODS:
         if not callable(getattr(BF16_Optimizer, name, None)):
-            raise _refuse(f"BF16_Optimizer.{name} is missing")
+            raise unsupported_deepspeed(f"BF16_Optimizer.{name} is missing")
     params = list(inspect.signature(BF16_Optimizer._update_hp_grad).parameters)
     if params != _SIGNATURE:
-        raise _refuse(f"BF16_Optimizer._update_hp_grad{tuple(params)} is not {tuple(_SIGNATURE)}")
+        raise unsupported_deepspeed(
+            f"BF16_Optimizer._update_hp_grad{tuple(params)} is not {tuple(_SIGNATURE)}"
+        )
     for name in _NEEDED_STATE:
         if not hasattr(optimizer, name):
-            raise _refuse(f"the BF16_Optimizer instance has no attribute {name}")
+            raise unsupported_deepspeed(f"the BF16_Optimizer instance has no attribute {name}")
     optimizer._update_hp_grad = functools.partial(_update_hp_grad, optimizer)
     return True

@@ -36,11 +36,15 @@ def setup_process_env() -> None:
     env.setdefault("MASTER_PORT", "29500")
 
 
+def local_ranks() -> int:
+    """Ranks on this node: the launcher's or SLURM's count, else the world size."""
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    return local if local > 0 else max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def set_thread_count() -> int:
     """torch threads = cores / local ranks (the launcher sets OMP only with core binding)."""
-    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
-    if local <= 0:
-        local = int(os.environ.get("WORLD_SIZE", "1"))
+    local = local_ranks()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = max(1, (cores or 1) // max(1, local))
     if "OMP_NUM_THREADS" in os.environ:
@@ -127,8 +131,7 @@ def device_memory_bytes() -> float:
     memory shared by the ranks of this node (what the planner's "auto" choices are made for)."""
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / max(1, local)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / local_ranks()
 
 
 def peak_memory_mb() -> float:

@@ -129,8 +129,9 @@ class Trainer:
         module = build_pipeline_module(cfg.model, self.parts, cfg.train.seed, self.loss_fn)
         # Recompute as configured, or under "auto" where the planner says this stage would
         # not fit its device without (docs/design.md §14): it costs a forward per layer.
+        self.device_memory = env.device_memory_bytes()
         self.ckpt_interval = auto_checkpoint_interval(
-            cfg, self.world, module.stage_id, env.device_memory_bytes()
+            cfg, self.world, module.stage_id, self.device_memory
         )
         module.set_checkpoint_interval(self.ckpt_interval)
         self.fp32 = not (
@@ -282,7 +283,7 @@ class Trainer:
             self.metrics.log(
                 f"activation checkpointing auto: stage {self.stage_id} "
                 + ("recomputes every layer" if self.ckpt_interval else "does not recompute")
-                + f" ({env.device_memory_bytes() / 2**30:.1f} GiB per rank)"
+                + f" ({self.device_memory / 2**30:.1f} GiB per rank)"
             )
         self.progress.start(self.step)  # the clock of elapsed_s, the ETA and the time budget
         self.validator.restore_patience(self.step, self.rank, self.save_dir)

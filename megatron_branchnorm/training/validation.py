@@ -18,7 +18,7 @@ def reduce_loss_sums(loss_fn) -> torch.Tensor:
     over all ranks (only last-stage ranks hold non-zero sums), as a float64 tensor of 3 on the
     communication device: nothing waits for the GPU until :func:`read_loss_sums`. Resets
     ``loss_fn``'s sums."""
-    sums = collectives.all_reduce(loss_fn.sums())
+    sums = collectives.all_reduce(loss_fn.sums(collectives.communication_device()))
     loss_fn.reset()
     return sums
 
