@@ -111,6 +111,29 @@ class SyntheticBatches:
             batches = [batches[k] for k in rng.permutation(len(batches))]
         return batches
 
+    def epoch_plan(self, epoch: int, keep):
+        """Epoch ``epoch`` as :meth:`megatron_branchnorm.data.BatchSampler.epoch_plan` gives
+        it (the samples of the positions ``keep`` selects; group 0 is the only direction)."""
+        from megatron_branchnorm.data.dataset import EpochPlan, id_fingerprints
+
+        batches = [np.asarray(b, dtype=np.int64) for b in self._make_plan(epoch)]
+        n = self.data.lengths_raw.astype(np.int64)
+        positions = np.flatnonzero(keep(np.arange(len(batches))))
+        return EpochPlan(
+            epoch,
+            ntokens=np.array([int((n[b] + 1).sum()) for b in batches], dtype=np.int64),
+            src_ntokens=np.array([int((n[b] + 2).sum()) for b in batches], dtype=np.int64),
+            samples=np.array([b.size for b in batches], dtype=np.int64),
+            fingerprints=np.array(
+                [id_fingerprints(b).sum(dtype=np.uint64) for b in batches], dtype=np.uint64
+            ),
+            mine={int(p): (0, batches[p]) for p in positions},
+        )
+
+    def collate(self, group: int, indices) -> dict:
+        """The batch of samples ``indices`` (``group`` is always 0)."""
+        return collate(self.data, [int(i) for i in indices])
+
     def __iter__(self):
         while True:
             if self._plan is None:
@@ -122,6 +145,13 @@ class SyntheticBatches:
             if not self.shuffle:
                 return
             self.epoch, self.position, self._plan = self.epoch + 1, 0, None
+
+    def identity(self) -> dict:
+        """Nothing to check a saved position against (the task is fixed by the config)."""
+        return {}
+
+    def check_state(self, state: dict) -> None:
+        """Any saved position fits (see :meth:`identity`)."""
 
     def state_dict(self) -> dict:
         """Position in the stream (epoch, batch index)."""

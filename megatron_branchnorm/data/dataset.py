@@ -27,7 +27,8 @@ The sampler reads a data source through four members, so any object with per-sam
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +44,7 @@ from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 __all__ = [
     "BatchSampler",
     "DataError",
+    "EpochPlan",
     "SampleSource",
     "TranslationData",
     "open_manifest",
@@ -159,6 +161,10 @@ class SampleSource(Protocol):
         """The batch dict of these samples of direction ``group``."""
         ...
 
+    def sample_offset(self, group: int) -> int:
+        """What turns a local index of direction ``group`` into its global sample id."""
+        ...
+
 
 class TranslationData:
     """All translation directions of one split of a DATA_DIR.
@@ -229,6 +235,10 @@ class TranslationData:
         """(source, target) tensor lengths with specials: (n + 2, m + 1) per sample."""
         return self._lengths[group]
 
+    def sample_offset(self, group: int) -> int:
+        """Global sample id of local index 0 of direction ``group`` (the batches' ``ids``)."""
+        return self._offsets[group]
+
     def pair(self, group: int, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw (source, target) token ids of one sample, without tag or specials."""
         return np.asarray(self._src[group][index]), np.asarray(self._tgt[group][index])
@@ -271,19 +281,72 @@ class TranslationData:
 def _batches_by_length(indices: np.ndarray, keys: np.ndarray, max_tokens: int) -> list[np.ndarray]:
     """Cut ``indices`` (sorted by nondecreasing ``keys``) into batches with
     len(batch) * max(keys in batch) <= max_tokens, greedily."""
-    out = []
-    n, start = indices.size, 0
+    return np.split(indices, _batch_ends(keys, max_tokens)[:-1])
+
+
+def _batch_ends(keys: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The end (exclusive) of each greedy batch over nondecreasing ``keys``: the largest end
+    with (end - start) * keys[end - 1] <= max_tokens. The condition only weakens as the end
+    moves left, so the longest batch the first key allows is tried first (it holds whenever
+    the batch stays within one key, the common case) and a binary search runs otherwise."""
+    ends = []
+    n, start = keys.size, 0
     while start < n:
-        lo, hi = start + 1, min(n, start + max_tokens // int(keys[start]))
-        while lo < hi:  # largest end with (end - start) * keys[end - 1] <= max_tokens
-            mid = (lo + hi + 1) // 2
-            if (mid - start) * int(keys[mid - 1]) <= max_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        out.append(indices[start:lo])
+        hi = min(n, start + max_tokens // int(keys[start]))
+        if (hi - start) * int(keys[hi - 1]) <= max_tokens:
+            lo = hi
+        else:
+            lo = start + 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (mid - start) * int(keys[mid - 1]) <= max_tokens:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        ends.append(lo)
         start = lo
-    return out
+    return np.asarray(ends, dtype=np.int64)
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def id_fingerprints(ids: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each sample id (splitmix64's finaliser, Steele et al. 2014), as
+    uint64: a batch's fingerprint is the wrapping sum over its samples."""
+    z = np.asarray(ids, dtype=np.uint64) + _MIX[0]
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass
+class EpochPlan:
+    """One epoch of the global batch stream, as one data-reading rank holds it
+    (docs/design.md §15): the size of every batch, and the samples of only the batches the
+    rank reads.
+
+    ``ntokens``, ``src_ntokens``, ``samples`` and ``fingerprints`` have one entry per global
+    batch, in stream order (the update's totals and ``ids_hash`` need every data-parallel
+    rank's batches); ``mine`` maps the positions this rank reads to (direction, sample
+    indices), what :meth:`BatchSampler.collate` turns into the batch."""
+
+    epoch: int
+    ntokens: np.ndarray
+    src_ntokens: np.ndarray
+    samples: np.ndarray
+    fingerprints: np.ndarray
+    mine: dict[int, tuple[int, np.ndarray]]
+
+    def __len__(self) -> int:
+        return int(self.ntokens.size)
+
+
+def _stats(bounds: np.ndarray, per_sample: list[np.ndarray]) -> list[np.ndarray]:
+    """Sums of each array of ``per_sample`` over the batches ending at ``bounds``."""
+    starts = np.concatenate([[0], bounds[:-1]]).astype(np.int64)
+    return [np.add.reduceat(x, starts) if starts.size else x[:0] for x in per_sample]
 
 
 class BatchSampler:
@@ -361,21 +424,25 @@ class BatchSampler:
             parts.append(valid[perm[lo:hi]])
         return np.concatenate(parts)
 
+    def _direction_batches(self, g: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Direction ``g``'s samples of ``epoch`` in batch order and where each batch ends."""
+        if self.shuffle:  # shuffled first, so the stable sort breaks ties at random
+            idx = self._epoch_samples(g, epoch)
+            idx = idx[self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)]
+        else:
+            idx = self.data.group_indices(g)
+        keys = self._keys[g][idx]
+        order = np.argsort(keys, kind="stable")
+        return idx[order], _batch_ends(keys[order], self.max_tokens)
+
     def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """Every batch of ``epoch`` for this rank (the whole plan: a validation pass, tests)."""
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
         batches: list[tuple[int, np.ndarray]] = []
         for g in range(len(self.data.directions)):
-            if self.shuffle:  # shuffled first, so the stable sort breaks ties at random
-                idx = self._epoch_samples(g, epoch)
-                idx = idx[self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)]
-            else:
-                idx = self.data.group_indices(g)
-            keys = self._keys[g][idx]
-            order = np.argsort(keys, kind="stable")
-            batches += [
-                (g, b) for b in _batches_by_length(idx[order], keys[order], self.max_tokens)
-            ]
+            idx, ends = self._direction_batches(g, epoch)
+            batches += [(g, b) for b in np.split(idx, ends[:-1])]
         if self.shuffle:
             perm = self._rng(_STREAM_ORDER, epoch).permutation(len(batches))
             batches = [batches[i] for i in perm]
@@ -388,6 +455,52 @@ class BatchSampler:
             )
         self._cached = (epoch, batches)
         return batches
+
+    def epoch_plan(self, epoch: int, keep: Callable[[np.ndarray], np.ndarray]) -> EpochPlan:
+        """Epoch ``epoch`` of the shuffled stream (``world_size`` 1), holding the samples of
+        only the positions where ``keep(positions)`` is True: the same batches as
+        :meth:`_plan`, built one direction at a time, so memory follows the largest
+        direction and this rank's share rather than the corpus (docs/design.md §15)."""
+        if not self.shuffle or self.world_size != 1:
+            raise ValueError("epoch_plan is the shuffled stream of one sampler for all ranks")
+        stats, owner = [], []
+        for g in range(len(self.data.directions)):
+            idx, ends = self._direction_batches(g, epoch)
+            src_len, tgt_len = self.data.group_lengths(g)
+            ids = idx + self.data.sample_offset(g)
+            stats.append(
+                _stats(ends, [tgt_len[idx], src_len[idx], np.ones_like(idx), id_fingerprints(ids)])
+            )
+            owner.append(np.full(ends.size, g, dtype=np.int64))
+        by_batch = [np.concatenate([s[k] for s in stats]) for k in range(4)]
+        owner_all = np.concatenate(owner)
+        if owner_all.size == 0:
+            raise DataError(f"no batch in an epoch ({int(self.counts.sum())} samples)")
+        perm = self._rng(_STREAM_ORDER, epoch).permutation(owner_all.size)  # position -> batch
+        positions = np.flatnonzero(keep(np.arange(perm.size)))
+        first = np.concatenate([[0], np.cumsum([o.size for o in owner])])  # batch ids by direction
+        mine: dict[int, tuple[int, np.ndarray]] = {}
+        wanted = perm[positions]
+        for g in np.unique(owner_all[wanted]).tolist():
+            idx, ends = self._direction_batches(g, epoch)  # again: only what this rank reads
+            starts = np.concatenate([[0], ends[:-1]])
+            sel = (owner_all[wanted] == g).nonzero()[0]
+            for pos, b in zip(
+                positions[sel].tolist(), (wanted[sel] - first[g]).tolist(), strict=True
+            ):
+                mine[pos] = (g, idx[starts[b] : ends[b]])
+        return EpochPlan(
+            epoch,
+            ntokens=by_batch[0][perm],
+            src_ntokens=by_batch[1][perm],
+            samples=by_batch[2][perm],
+            fingerprints=by_batch[3][perm],
+            mine=mine,
+        )
+
+    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
+        """The batch of these samples of direction ``group``."""
+        return self.data.collate(group, indices)
 
     def batches_per_epoch(self, epoch: int = 0) -> int:
         """Number of batches this rank gets in ``epoch`` (one pass when not shuffling)."""
@@ -409,11 +522,9 @@ class BatchSampler:
             self._epoch += 1
             self._position = 0
 
-    def state_dict(self) -> dict:
-        """Where the sampler stands: batches yielded so far in the current epoch."""
+    def identity(self) -> dict:
+        """What a saved position is only valid with (seed, budget, sharding, data size)."""
         return {
-            "epoch": self._epoch,
-            "position": self._position,
             "seed": self.seed,
             "max_tokens": self.max_tokens,
             "world_size": self.world_size,
@@ -421,14 +532,22 @@ class BatchSampler:
             "num_samples": int(self.counts.sum()),
         }
 
+    def state_dict(self) -> dict:
+        """Where the sampler stands: batches yielded so far in the current epoch."""
+        return {"epoch": self._epoch, "position": self._position, **self.identity()}
+
+    def check_state(self, state: dict) -> None:
+        """A DataError when ``state`` was saved by a sampler with another identity."""
+        mine = self.identity()
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise DataError(
+                    f"sampler state was saved with {key}={state[key]}, this sampler has {value}"
+                )
+
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the last batch yielded when ``state`` was saved."""
-        for key in ("seed", "max_tokens", "world_size", "rank", "num_samples"):
-            mine = self.state_dict()[key]
-            if key in state and state[key] != mine:
-                raise DataError(
-                    f"sampler state was saved with {key}={state[key]}, this sampler has {mine}"
-                )
+        self.check_state(state)
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= len(self._plan(epoch)):
             raise DataError(f"sampler state epoch={epoch} position={position} is out of range")

@@ -107,13 +107,18 @@ class Checkpointer:
         raises the same one-line TrainError. The tag then has no manifest, so it is never
         loaded, and ``latest`` still names the last complete checkpoint.
         """
+        # Rank 0 reads data (first stage): its stream position and sample count are the run's;
+        # a middle stage builds no batches, and every stage's file must hold the same state.
+        sampler, samples = collectives.broadcast_object(
+            (self.stream.state_dict(), samples) if self.rank == 0 else None
+        )
         self.step, self.samples = step, samples
         tag = ckpt.tag_for(step)
         tag_dir = self.save_dir / tag
         client = {
             "step": step,
             "samples": self.samples,
-            "sampler": self.stream.state_dict(),
+            "sampler": sampler,
             "spec_names": spec_names(self.cfg.model),
             "parts": self.parts,
             "config": self.cfg.to_dict(),

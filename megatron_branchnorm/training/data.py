@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.tokens import PAD_ID
 
 
@@ -88,37 +91,146 @@ class Update:
     target_tokens: int  # over all data-parallel ranks: the loss is normalised by it
     all_tokens: int  # source + target, for tokens/s
     samples: int  # sentence pairs
-    ids_hash: str  # sha256 prefix of the example ids ("" without ids): the order is checkable
+    ids_hash: str  # sha256 prefix of the batches' id fingerprints: the order is checkable
+
+
+class _Ahead:
+    """One epoch plan built on a daemon thread while the current epoch trains (numpy's sorts
+    and permutations release the GIL); a process that exits never waits for it."""
+
+    def __init__(self, key: tuple[int, int], build) -> None:
+        self.key = key
+        self._build, self._result, self._error = build, None, None
+        self._thread = threading.Thread(target=self._run, name=f"plan-epoch-{key[0]}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._build()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by get() on the main thread
+            self._error = exc
+
+    def get(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class TrainStream:
-    """The training batches: each update takes ``micro_batches x dp`` consecutive batches of
-    the global stream and keeps this rank's data-parallel share."""
+    """The training batches (docs/design.md §15). Update ``u`` takes global batches
+    ``[u*G, (u+1)*G)`` of one seed-determined stream (``G = micro_batches x dp``); data-parallel
+    rank ``d`` reads slots ``[d*micro_batches, (d+1)*micro_batches)`` of each update.
 
-    def __init__(self, cfg: ExperimentConfig, dp: int, dp_id: int) -> None:
-        self.batches = build_batches(cfg, "train", shuffle=True)
-        self.iterator = iter(self.batches)
+    Only ranks that read data (the first and last pipeline stages) build epoch plans, and a
+    plan holds the size of every batch (the update's token count normalises the loss) but the
+    samples of this rank's batches only; the next epoch is built ahead on a thread. Other
+    stages build nothing: their updates are empty, and the checkpoint takes rank 0's position.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, dp: int, dp_id: int, reads_data: bool = True) -> None:
         self.micro_batches, self.dp, self.dp_id = cfg.train.micro_batches, dp, dp_id
+        self.per_update = self.micro_batches * dp
+        self.reads_data = reads_data
+        self.source = build_batches(cfg, "train", shuffle=True) if reads_data else None
+        self.epoch, self.position = 0, 0
+        self._slot0 = 0  # the update slot of the current epoch's position 0
+        self._plan = None
+        self._ahead: _Ahead | None = None
+        self._loaded: dict = {"epoch": 0, "position": 0}  # what a non-reading rank holds
+
+    # --- plans -----------------------------------------------------------------------------
+
+    def _build(self, epoch: int, slot0: int):
+        g, gas, d = self.per_update, self.micro_batches, self.dp_id
+        return self.source.epoch_plan(epoch, lambda pos: ((pos + slot0) % g) // gas == d)
+
+    def _current(self):
+        """The plan of the current epoch (from the thread when it was built ahead), and the
+        next epoch's started on the thread."""
+        while True:
+            if self._plan is None or self._plan.epoch != self.epoch:
+                key = (self.epoch, self._slot0)
+                ahead, self._ahead = self._ahead, None
+                self._plan = ahead.get() if ahead is not None and ahead.key == key else None
+                if self._plan is None:
+                    self._plan = self._build(*key)
+            if self.position < len(self._plan):
+                break
+            self._next_epoch()
+        if self._ahead is None:
+            nxt = (self.epoch + 1, (self._slot0 + len(self._plan)) % self.per_update)
+            self._ahead = _Ahead(nxt, lambda: self._build(*nxt))
+        return self._plan
+
+    def _next_epoch(self) -> None:
+        self._slot0 = (self._slot0 + len(self._plan)) % self.per_update
+        self.epoch, self.position = self.epoch + 1, 0
+
+    # --- updates ---------------------------------------------------------------------------
 
     def next_update(self) -> Update:
-        gas = self.micro_batches
-        batches = [next(self.iterator) for _ in range(gas * self.dp)]
-        ntokens = sum(int(b["ntokens"]) for b in batches)
-        ids = torch.cat([b["ids"].reshape(-1).long() for b in batches if "ids" in b] or [])
-        return Update(
-            mine=batches[self.dp_id * gas : (self.dp_id + 1) * gas],
-            target_tokens=ntokens,
-            all_tokens=ntokens + sum(source_tokens(b) for b in batches),
-            samples=sum(int(b["src_tokens"].shape[0]) for b in batches),
-            ids_hash=hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] if len(ids) else "",
+        if not self.reads_data:
+            return Update(mine=[], target_tokens=0, all_tokens=0, samples=0, ids_hash="")
+        mine, ntokens, src_ntokens, samples, prints = [], 0, 0, 0, []
+        for _ in range(self.per_update):
+            plan, p = self._current(), self.position
+            ntokens += int(plan.ntokens[p])
+            src_ntokens += int(plan.src_ntokens[p])
+            samples += int(plan.samples[p])
+            prints.append(plan.fingerprints[p])
+            if p in plan.mine:
+                mine.append(self.source.collate(*plan.mine[p]))
+            self.position += 1
+        if len(mine) != self.micro_batches:
+            raise RuntimeError(f"rank read {len(mine)} micro-batches, not {self.micro_batches}")
+        digest = hashlib.sha256(np.asarray(prints, dtype="<u8").tobytes()).hexdigest()[:16]
+        return Update(mine, ntokens, ntokens + src_ntokens, samples, digest)
+
+    def direction_counts(self) -> tuple[list[str], list[int]] | None:
+        """The training directions and the samples each holds (after data.max_length); None
+        for synthetic data or a rank that reads no data."""
+        counts = getattr(self.source, "counts", None)
+        if counts is None:
+            return None
+        return list(self.source.data.directions), [int(c) for c in counts]
+
+    def describe(self) -> str:
+        """What this rank builds of the stream (one line, printed by every rank at start)."""
+        if not self.reads_data:
+            return "data: this stage reads no batches and builds none"
+        plan = self._current()
+        return (
+            f"data: epoch {plan.epoch} holds {len(plan)} batches, this rank reads "
+            f"{len(plan.mine)} (data-parallel rank {self.dp_id} of {self.dp}, "
+            f"{self.micro_batches} micro-batches per update)"
         )
 
+    # --- resume ----------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        return self.batches.state_dict()
+        """Position of the next batch of the stream (epoch, batch in the epoch), with the
+        sampler's identity; a rank that reads no data returns what it loaded (the checkpoint
+        saves rank 0's)."""
+        if not self.reads_data:
+            return dict(self._loaded)
+        return {"epoch": self.epoch, "position": self.position, **self.source.identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.batches.load_state_dict(state)
-        self.iterator = iter(self.batches)
+        """Continue with the batch after the last one of ``state``'s update (checkpoints are
+        taken between updates, so that batch starts an update whatever the data-parallel
+        size now)."""
+        self._loaded = dict(state)
+        if not self.reads_data:
+            return
+        self.source.check_state(state)
+        epoch, position = int(state["epoch"]), int(state["position"])
+        self.epoch, self.position, self._slot0 = epoch, position, -position % self.per_update
+        self._plan, self._ahead = None, None
+        if epoch >= 0 and position >= 0:
+            self._plan = self._build(epoch, self._slot0)
+        if self._plan is None or position > len(self._plan):
+            raise DataError(f"sampler state epoch={epoch} position={position} is out of range")
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:

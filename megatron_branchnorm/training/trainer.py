@@ -24,6 +24,12 @@ import torch
 from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.data.sampling import (
+    SAMPLING_FILE,
+    format_sampling_table,
+    sampling_table,
+    write_sampling_table,
+)
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm, set_branch_scale
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
@@ -170,7 +176,8 @@ class Trainer:
                 spec_names(cfg.model),
                 lambda: self.faults.inject_inf_grad(module, self.stage_id, self.engine.num_stages),
             )
-        self.stream = TrainStream(cfg, self.dp, dp_id)
+        reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
+        self.stream = TrainStream(cfg, self.dp, dp_id, reads_data)
         self.step = 0
         self.samples = 0
         self.ids_hash = ""
@@ -273,12 +280,19 @@ class Trainer:
         self.checkpointer.resume()
         self.step, self.samples = self.checkpointer.step, self.checkpointer.samples
         self.checkpointer.record_start()
+        print(f"rank {self.rank} (stage {self.stage_id}): {self.stream.describe()}", flush=True)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.metrics.log(
             f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
             f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
         )
         self.metrics.log(describe_plan(cfg.model, self.parts))
+        counts = self.stream.direction_counts() if self.rank == 0 else None
+        if counts is not None:  # None: synthetic data
+            table = sampling_table(*counts, cfg.data.sampling_temperature)
+            for line in format_sampling_table(table, cfg.data.sampling_temperature):
+                self.metrics.log(line)
+            write_sampling_table(self.save_dir / SAMPLING_FILE, table)
         if cfg.pipeline.activation_checkpoint_interval == "auto":
             self.metrics.log(
                 f"activation checkpointing auto: stage {self.stage_id} "
