@@ -3,7 +3,7 @@
     python tools/benchmark.py --quick                       # ~ a few minutes on 2 cores
     python tools/benchmark.py --sections model,trainstep --rounds 5 --json out.json
 
-Sections (``--sections``, comma-separated; default all):
+Sections (``--sections``, comma-separated; default all but ``data``, which takes ~25 minutes):
 
 - ``model``: the model step (forward, the same fp32 label-smoothed loss, backward, a plain
   torch.optim.Adam step; one loop shared by every implementation, bench_models.py) for
@@ -27,6 +27,14 @@ Sections (``--sections``, comma-separated; default all):
   DeepSpeed's ``train_batch``, host syncs per micro-batch and the last stage's peak memory,
   for the shipped configs in ``--launch-configs`` (launches.py; issue 28). Counts, not
   timings: the load does not move them.
+- ``data``: the data path at real size (bench_data.py; issue 29): for each N of
+  ``--data-pairs`` a synthetic OPUS-100-shaped corpus of N pairs (cached in ``--workdir``),
+  tools/preprocess_data.py's wall time and peak memory (per phase with its ``--stats``; the
+  process tree's sampled RSS always), then for ``--data-train-pairs`` the training start-up
+  (first update, peak RSS per rank) at 2 data-parallel ranks and at 4 stages, and a linear
+  projection to 55M pairs. ``--checkout DIR`` measures another tree's tools (the "before"):
+
+      python tools/benchmark.py --sections data --workdir /tmp/mbn_bench_data --json data.json
 
 Always record the machine load: timings on a shared machine are noisy; ratios within one run
 are what the script reports.
@@ -52,7 +60,7 @@ from megatron_branchnorm.hardware import cpu_info, default_dtypes
 from megatron_branchnorm.launch import CHECKOUT, free_port, tool_command
 from megatron_branchnorm.resources import DS_CONFIG_DIR
 
-SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess", "launches")
+SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess", "launches", "data")
 
 
 def load() -> str:
@@ -631,6 +639,31 @@ def bench_launches(a: argparse.Namespace, work: Path) -> dict:
     return res
 
 
+def _pair_list(text: str) -> list[int]:
+    return [int(float(x)) for x in text.split(",") if x.strip()]
+
+
+def bench_data(a: argparse.Namespace, work: Path) -> dict:
+    """Preprocessing and training start-up on synthetic OPUS-100-shaped corpora
+    (bench_data.measure)."""
+    from megatron_branchnorm.experiments import bench_data as bd
+
+    quick = a.quick and a.data_pairs is None
+    pairs = (
+        _pair_list(a.data_pairs)
+        if a.data_pairs
+        else list(bd.QUICK_PAIRS if quick else bd.DEFAULT_PAIRS)
+    )
+    if a.data_train_pairs is not None:
+        train = _pair_list(a.data_train_pairs)
+    else:
+        train = [min(pairs)] if quick else list(bd.DEFAULT_TRAIN_PAIRS)
+    checkout = Path(a.checkout) if a.checkout else CHECKOUT
+    return bd.measure(
+        work, checkout, pairs, train, a.data_vocab_size, a.data_workers, a.timeout, log=log
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
@@ -667,13 +700,23 @@ def print_report(res: dict) -> None:
         r = res["launches"]
         text = json.dumps(r) if "error" in r else format_table(r)
         print(f"\n## launches (kernel-launching ops per layer per micro-batch)\n{text}")
+    if "data" in res:
+        from megatron_branchnorm.experiments.bench_data import format_table
+
+        r = res["data"]
+        text = json.dumps(r) if "error" in r else format_table(r)
+        print(f"\n## data (synthetic OPUS-100-shaped corpora; issue 29)\n{text}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench_models.add_model_args(p)
     p.add_argument("--quick", action="store_true", help="short version (1 round, fewer runs)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--sections",
+        default=",".join(s for s in SECTIONS if s != "data"),
+        help=f"of {','.join(SECTIONS)} (default all but data)",
+    )
     p.add_argument("--impls", default="ours,torch,fairseq,torchscale")
     p.add_argument(
         "--dtypes",
@@ -706,6 +749,25 @@ def main() -> int:
         default=None,
         help="launches: the shipped configs whose ops per layer are counted "
         "(default: opus100_12L,opus100_200L,opus100_1000L)",
+    )
+    p.add_argument(
+        "--data-pairs",
+        default=None,
+        help="data: corpus sizes to preprocess (default 250000,1000000,4000000; --quick "
+        "20000,60000)",
+    )
+    p.add_argument(
+        "--data-train-pairs",
+        default=None,
+        help="data: sizes whose DATA_DIR is also trained on at 2 ranks and 4 stages (default "
+        "1000000; --quick the smallest; '' none)",
+    )
+    p.add_argument("--data-vocab-size", type=int, default=64000, help="data: --vocab-size")
+    p.add_argument("--data-workers", type=int, default=2, help="data: --workers")
+    p.add_argument(
+        "--checkout",
+        default=None,
+        help="data: run this tree's tools/preprocess_data.py and train (PYTHONPATH=DIR)",
     )
     p.add_argument(
         "--baseline",
@@ -765,6 +827,7 @@ def main() -> int:
         "beam": bench_beam,
         "preprocess": bench_preprocess,
         "launches": bench_launches,
+        "data": bench_data,
     }
     for name, fn in runners.items():
         if name in sections:
