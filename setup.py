@@ -42,6 +42,8 @@ setup(
         "pyyaml>=6.0",
         "safetensors>=0.4",
         "tqdm>=4.66",
+        # preprocess_data.py --stats: resident memory of the process and its workers.
+        "psutil>=5.9",
         "tensorboard>=2.15",
         "numpy>=1.24",
         "matplotlib>=3.7",

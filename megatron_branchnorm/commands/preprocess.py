@@ -7,8 +7,9 @@
 
 Validates the input, trains one joint SentencePiece model (with <2xx> tags), encodes, and
 writes indexed datasets for both directions of every pair (or only --directions), the raw
-dev/test references and manifest.json (see docs/data.md). The output appears only when
-complete.
+dev/test references and manifest.json (see docs/data.md). The corpus streams through in
+bounded memory (--stats FILE records each phase's time and peak memory). The output appears
+only when complete.
 """
 
 from __future__ import annotations
@@ -113,7 +114,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="replace an existing --output that this tool wrote (a DATA_DIR), nothing else",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--stats",
+        default=None,
+        metavar="FILE",
+        help="write each phase's seconds and peak memory (RSS of this process and its\n"
+        "workers, summed) to FILE as JSON",
+    )
     return p.parse_args(argv)
 
 
@@ -145,6 +153,7 @@ def _preprocess(argv: list[str] | None) -> int:
         test_size=args.test_size,
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
+        stats=args.stats,
         command=shlex.join(["tools/preprocess_data.py", *argv_used]),
     )
     start = time.perf_counter()

@@ -9,14 +9,18 @@
             seeded permutation (``dev_size``/``test_size`` lines each, at most a tenth each).
 ``plain``    ``DIR/<xx-yy>/{train,dev,test}.<lang>``; all three splits are required.
 
-:func:`read_corpus` validates everything (files present, equal line counts, UTF-8) before any
-output is written and returns the raw lines per pair and split.
+:func:`discover` finds the files and checks that they are all there; preprocessing then reads
+each pair of files in blocks of lines (:class:`LineReader`), checking equal line counts and
+UTF-8 as it goes. A held-out dev/test split is a label per training line
+(:func:`hold_out_labels`, one byte a line), applied while the lines stream past.
+:func:`read_corpus` makes the same splits in memory, for tests and small corpora.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -60,21 +64,6 @@ class SplitFiles:
 
     pivot_files: list[Path] = field(default_factory=list)
     other_files: list[Path] = field(default_factory=list)
-
-
-@dataclass
-class PairLines:
-    """Raw lines of one pair and split (pivot side and other side), before any cleaning."""
-
-    pair: str
-    lang: str
-    pivot: str
-    pivot_lines: list[str]
-    other_lines: list[str]
-    bad_utf8: set[int]
-    """0-based line numbers where either side had invalid UTF-8 (only with skip/replace)."""
-    origin: str
-    """Where the lines came from (files, or a held-out split of them), for messages."""
 
 
 def _opus_root(input_dir: Path) -> Path:
@@ -169,49 +158,93 @@ def _discover_moses(root: Path, pair: str, lang: str, pivot: str) -> dict[str, S
     return splits
 
 
-def _read_split(sf: SplitFiles, pair: str, lang: str, pivot: str, on_bad_utf8: str) -> PairLines:
-    pivot_lines: list[str] = []
-    other_lines: list[str] = []
-    bad: set[int] = set()
-    for pf, of in zip(sf.pivot_files, sf.other_files, strict=True):
-        p_lines, p_bad = read_lines(pf, on_bad_utf8)
-        o_lines, o_bad = read_lines(of, on_bad_utf8)
-        if len(p_lines) != len(o_lines):
-            raise DataError(
-                f"line counts differ: {pf} has {len(p_lines)} lines but {of} has {len(o_lines)}"
-            )
-        offset = len(pivot_lines)
-        bad.update(offset + i for i in p_bad + o_bad)
-        pivot_lines += p_lines
-        other_lines += o_lines
-    origin = ", ".join(str(f) for f in sf.other_files)
-    return PairLines(pair, lang, pivot, pivot_lines, other_lines, bad, origin)
+def origin(files: SplitFiles, split: str, held_out: bool, seed: int) -> str:
+    """Where a split's lines come from (its files, or a held-out part of them), for messages."""
+    names = ", ".join(str(f) for f in files.other_files)
+    return f"{names} (held-out {split}, seed {seed})" if held_out else names
 
 
-def _hold_out(train: PairLines, dev_size: int, test_size: int, seed: int) -> dict[str, PairLines]:
-    n = len(train.pivot_lines)
+def count_lines(path: Path) -> int:
+    """How many lines :func:`text.read_lines` would return, counted in blocks."""
+    n, last = 0, b"\n"
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                n += block.count(b"\n")
+                last = block[-1:]
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return n + (last != b"\n")
+
+
+def hold_out_labels(n: int, dev_size: int, test_size: int, seed: int) -> np.ndarray:
+    """The split of each of ``n`` training lines (an index into :data:`SPLITS`, uint8) when dev
+    and test are held out: ``dev_size``/``test_size`` lines each (at most a tenth each), chosen
+    by the permutation ``RandomState(seed).permutation(n)``: its first lines go to test, the
+    next to dev. Each split keeps the lines in their input order."""
     n_dev = min(dev_size, n // 10)
     n_test = min(test_size, n // 10)
-    perm = np.random.RandomState(seed).permutation(n)
-    parts = {
-        "test": np.sort(perm[:n_test]),
-        "dev": np.sort(perm[n_test : n_test + n_dev]),
-        "train": np.sort(perm[n_test + n_dev :]),
-    }
-    out = {}
-    for split, idx in parts.items():
-        keep = set(idx.tolist())
-        renum = {old: new for new, old in enumerate(idx.tolist())}
-        out[split] = PairLines(
-            train.pair,
-            train.lang,
-            train.pivot,
-            [train.pivot_lines[i] for i in idx],
-            [train.other_lines[i] for i in idx],
-            {renum[i] for i in train.bad_utf8 if i in keep},
-            f"{train.origin} (held-out {split}, seed {seed})",
-        )
-    return out
+    # shuffle() of a uint32 arange gives permutation(n) at half its memory.
+    perm = np.arange(n, dtype=np.uint32 if n < 1 << 32 else np.int64)
+    np.random.RandomState(seed).shuffle(perm)
+    labels = np.zeros(n, np.uint8)
+    labels[perm[:n_test]] = SPLITS.index("test")
+    labels[perm[n_test : n_test + n_dev]] = SPLITS.index("dev")
+    return labels
+
+
+class LineReader:
+    """Whole lines of an input file, ``n`` at a time, as one block of bytes; an OSError
+    becomes a DataError naming the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines = 0
+        try:
+            self._f = open(path, "rb")  # noqa: SIM115 (closed by close())
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+    def take(self, n: int) -> tuple[bytes, int]:
+        """The next ``n`` lines (fewer at the end of the file) and how many there were."""
+        try:
+            lines = list(islice(self._f, n))
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        self.lines += len(lines)
+        return b"".join(lines), len(lines)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> LineReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def line_mismatch(pivot_file: Path, pivot_lines: int, other_file: Path, other_lines: int) -> str:
+    """The message for two sides of a pair with different line counts."""
+    return (
+        f"line counts differ: {pivot_file} has {pivot_lines} lines but {other_file} has "
+        f"{other_lines}"
+    )
+
+
+@dataclass
+class PairLines:
+    """Raw lines of one pair and split (pivot side and other side), before any cleaning."""
+
+    pair: str
+    lang: str
+    pivot: str
+    pivot_lines: list[str]
+    other_lines: list[str]
+    bad_utf8: set[int]
+    """0-based line numbers where either side had invalid UTF-8 (only with skip/replace)."""
+    origin: str
+    """Where the lines came from (files, or a held-out split of them), for messages."""
 
 
 def read_corpus(
@@ -224,18 +257,45 @@ def read_corpus(
     test_size: int = 2000,
     seed: int = 1,
 ) -> tuple[dict[str, dict[str, PairLines]], dict[str, str]]:
-    """All raw lines, ``{lang: {split: PairLines}}``, and how each pair's dev/test were made
-    (``files`` or ``held-out``). Everything is validated before the caller writes output."""
-    files = discover(fmt, input_dir, langs, pivot)
+    """All raw lines in memory, ``{lang: {split: PairLines}}``, and how each pair's dev/test
+    were made (``files`` or ``held-out``): the splits preprocessing makes, for tests and
+    inspection of small corpora (preprocessing itself streams)."""
     corpus: dict[str, dict[str, PairLines]] = {}
     split_source: dict[str, str] = {}
-    for lang, splits in files.items():
+    for lang, splits in discover(fmt, input_dir, langs, pivot).items():
         pair = pair_name(pivot, lang)
-        read = {s: _read_split(sf, pair, lang, pivot, on_bad_utf8) for s, sf in splits.items()}
-        if "dev" not in read:
-            read = _hold_out(read["train"], dev_size, test_size, seed)
-            split_source[pair] = "held-out"
-        else:
-            split_source[pair] = "files"
-        corpus[lang] = {s: read[s] for s in SPLITS}
+        held_out = "dev" not in splits
+        split_source[pair] = "held-out" if held_out else "files"
+        corpus[lang] = {}
+        for name, sf in splits.items():
+            sides: list[list[str]] = [[], []]
+            bad: set[int] = set()
+            for pf, of in zip(sf.pivot_files, sf.other_files, strict=True):
+                (p_lines, p_bad), (o_lines, o_bad) = (read_lines(f, on_bad_utf8) for f in (pf, of))
+                if len(p_lines) != len(o_lines):
+                    raise DataError(line_mismatch(pf, len(p_lines), of, len(o_lines)))
+                bad.update(len(sides[0]) + i for i in p_bad + o_bad)
+                sides[0] += p_lines
+                sides[1] += o_lines
+            labels = (
+                hold_out_labels(len(sides[0]), dev_size, test_size, seed)
+                if held_out
+                else np.full(len(sides[0]), SPLITS.index(name), np.uint8)
+            )
+            for s, split in enumerate(SPLITS):
+                if not held_out and split != name:
+                    continue
+                idx = np.flatnonzero(labels == s)
+                renumber = np.full(labels.size, -1, np.int64)
+                renumber[idx] = np.arange(idx.size)
+                corpus[lang][split] = PairLines(
+                    pair,
+                    lang,
+                    pivot,
+                    [sides[0][i] for i in idx],
+                    [sides[1][i] for i in idx],
+                    {int(renumber[i]) for i in bad if renumber[i] >= 0},
+                    origin(sf, split, held_out, seed),
+                )
+        corpus[lang] = {split: corpus[lang][split] for split in SPLITS}
     return corpus, split_source

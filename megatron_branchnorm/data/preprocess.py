@@ -1,16 +1,27 @@
 """Raw parallel corpus -> DATA_DIR: cleaned, SentencePiece-encoded, indexed, with a manifest.
 
-Steps (commands/preprocess.py, run as tools/preprocess_data.py, is the command line):
+The corpus streams through in bounded memory: no phase holds more than a few chunks of
+:data:`CHUNK_LINES` lines per worker, SentencePiece's sample (``--spm-sample-size``) and one
+int32 length per written sentence, whatever the corpus size. The phases (timed, with peak
+memory, by ``--stats``; commands/preprocess.py, run as tools/preprocess_data.py, is the command
+line):
 
-1. read and validate every input file (:mod:`corpora`) before anything is written;
-2. clean each line (:func:`text.clean`); a pair is dropped, and counted, when a side had
-   invalid UTF-8 (``--on-bad-utf8 skip``) or is empty after cleaning;
-3. train one joint SentencePiece model on a temperature-sampled mix of the training text;
-4. encode (``workers`` processes; the output does not depend on their number);
-5. drop training pairs with a side longer than ``max_len`` tokens (counted; dev/test keep them);
-6. write per pair, split and language an indexed dataset ``bin/<split>.<pair>.<lang>``, the
-   raw dev/test text ``raw/<split>.<pair>.<lang>`` (every line, unfiltered: the evaluation
-   references), ``spm.model``/``spm.vocab`` and ``manifest.json``.
+1. ``read_clean``: each pair and split's files are read together in chunks of lines, checked
+   (equal line counts, UTF-8: the same errors, naming file and line, as reading them whole) and
+   cleaned (:func:`text.clean`) by ``workers`` processes; a pair is dropped, and counted, when
+   a side had invalid UTF-8 (``--on-bad-utf8 skip``) or is empty after cleaning. The cleaned
+   lines go to spill files (``spill/`` in the temporary directory), the raw dev/test text to
+   ``raw/<split>.<pair>.<lang>`` (every line, unfiltered: the evaluation references). A moses
+   pair without dev/test files holds them out by a one-byte split label per line
+   (:func:`corpora.hold_out_labels`);
+2. ``spm_sample``: the temperature-sampled mix of training sentences (:func:`spm.sample_plan`)
+   is read back from the spill files, only the chosen lines;
+3. ``spm_train``: one joint SentencePiece model, trained in a child process (one thread);
+4. ``encode_write``: ``workers`` processes encode chunks of the spill files, both sides of a
+   chunk together, and drop training pairs with a side longer than ``max_len`` tokens
+   (counted; dev/test keep them); each chunk is appended, in order, to the indexed datasets
+   ``bin/<split>.<pair>.<lang>`` as it comes back. The output does not depend on ``workers``;
+5. ``finish``: ``manifest.json`` written, the spill files deleted, the directory published.
 
 Everything is written into a hidden temporary directory beside DATA_DIR that is renamed to
 DATA_DIR at the very end, so an interrupted run never leaves a directory that looks complete.
@@ -21,17 +32,21 @@ manifest), never the input corpus or anything else.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import multiprocessing as mp
+import multiprocessing.pool
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
@@ -45,10 +60,22 @@ from megatron_branchnorm.cli import (
     write_marker,
 )
 from megatron_branchnorm.data import spm as spm_lib
-from megatron_branchnorm.data.corpora import SPLITS, PairLines, parse_langs, read_corpus
+from megatron_branchnorm.data.corpora import (
+    SPLITS,
+    LineReader,
+    SplitFiles,
+    count_lines,
+    discover,
+    hold_out_labels,
+    line_mismatch,
+    origin,
+    pair_name,
+    parse_langs,
+)
 from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
-from megatron_branchnorm.data.text import clean, reference
+from megatron_branchnorm.data.phase_stats import PhaseStats
+from megatron_branchnorm.data.text import clean_lines, decode_block, reference_block, utf8_error
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 MANIFEST = "manifest.json"
@@ -56,6 +83,12 @@ MANIFEST_FORMAT = "megatron_branchnorm-data"
 MANIFEST_VERSION = 1
 FILTERS = ("bad_utf8", "empty", "too_long")
 CHUNK_LINES = 2000
+"""Input lines per cleaning task; cleaned lines (at least) per encoding task."""
+IN_FLIGHT_PER_WORKER = 4
+SAMPLE_BLOCK_LINES = 1 << 16
+SPILL_DIR = "spill"
+PHASES = ("read_clean", "spm_sample", "spm_train", "encode_write", "finish")
+"""The phases of a run, in order, as ``--stats`` names them."""
 DATA_KIND = "data"
 """Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory."""
 DATA_TOOL = "preprocess_data"
@@ -83,6 +116,8 @@ class PreprocessOptions:
     directions: list[str] | None = None
     """Train and evaluate only these directions (``en-de``: a bilingual task such as WMT17
     En->De); None: both directions of every pair (the multilingual setting)."""
+    stats: str | None = None
+    """Write each phase's seconds and peak memory to this JSON file (phase_stats.py)."""
 
 
 def check_directions(directions: list[str] | None, langs: list[str], pivot: str) -> set[str]:
@@ -99,31 +134,6 @@ def check_directions(directions: list[str] | None, langs: list[str], pivot: str)
             f"the pairs' directions ({', '.join(sorted(possible))})"
         )
     return set(wanted)
-
-
-@dataclass
-class _Cleaned:
-    pivot: list[str]
-    other: list[str]
-    filters: dict[str, int]
-    replaced_utf8: int
-
-
-def _clean_pairs(pl: PairLines, on_bad_utf8: str) -> _Cleaned:
-    filters = dict.fromkeys(FILTERS, 0)
-    pivot, other = [], []
-    for i, (a, b) in enumerate(zip(pl.pivot_lines, pl.other_lines, strict=True)):
-        if on_bad_utf8 == "skip" and i in pl.bad_utf8:
-            filters["bad_utf8"] += 1
-            continue
-        a, b = clean(a), clean(b)
-        if not a or not b:
-            filters["empty"] += 1
-            continue
-        pivot.append(a)
-        other.append(b)
-    replaced = len(pl.bad_utf8) if on_bad_utf8 == "replace" else 0
-    return _Cleaned(pivot, other, filters, replaced)
 
 
 def is_legacy_data_dir(path: str | Path) -> bool:
@@ -152,99 +162,407 @@ def write_failure(exc: BaseException, out: Path, flag: str = "--output") -> Data
     return DataError(f"{flag} {out}: cannot write ({write_failure_reason(exc)})")
 
 
-# The texts being encoded, visible to forked workers, which then receive only line ranges.
-_FORK_TEXTS: list[list[str]] = []
+# ---------------------------------------------------------------------------------------------
+# Worker pools: results in input order, a bounded number of tasks in flight.
 
 
-def _init_worker(model_file: str) -> None:
+def _ignore_sigint() -> None:
     """A pool worker: Ctrl-C in a terminal signals the whole process group; the parent
     handles it (terminates the pool, removes its temporary directory), workers ignore it
     instead of each printing a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _init_worker(model_file: str) -> None:
+    """An encoding worker: ignores Ctrl-C, loads the SentencePiece model once."""
+    _ignore_sigint()
     spm_lib.init_worker(model_file)
 
 
-def _encode_span(span: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Encode lines ``start:end`` of text ``k`` of :data:`_FORK_TEXTS` (in a forked worker)."""
-    k, start, end = span
-    return spm_lib.encode_chunk(_FORK_TEXTS[k][start:end])
+def _pool(
+    processes: int,
+    stats: PhaseStats,
+    initializer: Callable[..., None] = _ignore_sigint,
+    initargs: tuple = (),
+) -> mp.pool.Pool:
+    """Worker processes, forked where the platform can (the parent is small when it forks:
+    no phase keeps the corpus in memory)."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with stats.paused():
+        return mp.get_context(method).Pool(processes, initializer=initializer, initargs=initargs)
 
 
-def _encode_lines(
-    span_and_lines: tuple[tuple[int, int, int], list[str]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Encode lines sent along with their range (in-process or a spawned worker)."""
-    return spm_lib.encode_chunk(span_and_lines[1])
-
-
-def _encode_all(
-    texts: list[list[str]], model_file: str, workers: int, progress: bool | None
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Encode each list of lines; returns (flat ids, lengths) per list, in order."""
-    global _FORK_TEXTS
-    spans = [
-        (k, s, min(s + CHUNK_LINES, len(lines)))
-        for k, lines in enumerate(texts)
-        for s in range(0, len(lines), CHUNK_LINES)
-    ]
-    bar = tqdm(
-        total=sum(len(t) for t in texts),
-        unit="sent",
-        desc="encode",
-        file=sys.stderr,
-        disable=(None if progress is None else not progress),
-    )
-    results: list[tuple[np.ndarray, np.ndarray]] = []
-    # The encoded chunks create many small objects but no cycles; collections would rescan the
-    # whole in-memory corpus again and again, so the collector pauses while encoding.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    pool = None
-    with_lines = ((sp, texts[sp[0]][sp[1] : sp[2]]) for sp in spans)
-    if workers <= 1:
-        spm_lib.init_worker(model_file, pool_worker=False)
-        it = map(_encode_lines, with_lines)
-    elif "fork" in mp.get_all_start_methods():
-        _FORK_TEXTS = texts
-        pool = mp.get_context("fork").Pool(
-            workers, initializer=_init_worker, initargs=(model_file,)
-        )
-        it = pool.imap(_encode_span, spans, chunksize=1)
-    else:
-        pool = mp.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(model_file,)
-        )
-        it = pool.imap(_encode_lines, with_lines, chunksize=1)
-    failed = True
+@contextmanager
+def _workers(
+    n: int, stats: PhaseStats, initializer: Callable[..., None] = _ignore_sigint, initargs=()
+) -> Iterator[mp.pool.Pool | None]:
+    """A pool of ``n`` workers (None for one: the work runs in this process), terminated
+    without waiting for queued work when the body fails (Ctrl-C, an error)."""
+    if n <= 1:
+        yield None
+        return
+    pool = _pool(n, stats, initializer, initargs)
     try:
-        for (_, start, end), res in zip(spans, it, strict=True):
-            results.append(res)
-            bar.update(end - start)
-        failed = False
-    finally:
-        _FORK_TEXTS = []
-        if gc_was_enabled:
-            gc.enable()
-        bar.close()
-        if pool is not None:
-            if failed:
-                pool.terminate()  # Ctrl-C or an error: do not wait for the queued chunks
+        yield pool
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+
+
+def _in_order(
+    fn: Callable[[Any], Any], tasks: Iterable[tuple[Any, Any]], pool: mp.pool.Pool | None
+) -> Iterator[tuple[Any, Any]]:
+    """``(meta, fn(arg))`` for each ``(meta, arg)`` of ``tasks``, in order; ``arg`` None is a
+    marker passed through as ``(meta, None)``. With a pool at most a few tasks per worker are
+    in flight, so neither the tasks (read lazily) nor the results pile up in memory."""
+    if pool is None:
+        for meta, arg in tasks:
+            yield meta, None if arg is None else fn(arg)
+        return
+    window = IN_FLIGHT_PER_WORKER * pool._processes  # noqa: SLF001 (the pool's size)
+    pending: deque = deque()
+    for meta, arg in tasks:
+        pending.append((meta, None if arg is None else pool.apply_async(fn, (arg,))))
+        while pending and (len(pending) > window or pending[0][1] is None):
+            meta0, res = pending.popleft()
+            yield meta0, None if res is None else res.get()
+    while pending:
+        meta0, res = pending.popleft()
+        yield meta0, None if res is None else res.get()
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _bar(progress: bool | None, **kw: Any) -> tqdm:
+    return tqdm(file=sys.stderr, disable=not _show_progress(progress), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: read, validate and clean every pair and split into spill files.
+
+
+@dataclass
+class _Split:
+    """One pair and split as pass 1 leaves it: cleaned lines in two spill files (pivot and
+    other side, one line each, ``\\n``-terminated), counts, and byte offsets cutting the spill
+    files into encoding chunks of at least :data:`CHUNK_LINES` lines."""
+
+    spill: tuple[Path, Path]
+    origin: str
+    raw: int = 0
+    kept: int = 0
+    bad_utf8: int = 0
+    empty: int = 0
+    replaced: int = 0
+    cuts: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+    sizes: list[int] = field(default_factory=lambda: [0, 0])
+    uncut: int = 0
+
+    def cut(self) -> None:
+        """Close the current encoding chunk (if it has lines)."""
+        if self.uncut:
+            self.cuts.append((self.sizes[0], self.sizes[1]))
+            self.uncut = 0
+
+
+_Cleaned = tuple[bytes, bytes, int, int, int, int, int, tuple[bytes, bytes] | None]
+"""One split's share of a chunk: pivot and other spill text, lines kept, raw lines, dropped
+for bad UTF-8, dropped as empty, bad UTF-8 lines kept with U+FFFD, and the raw references
+(dev/test only)."""
+
+
+def _joined(lines: list[str]) -> bytes:
+    return "".join(x + "\n" for x in lines).encode("utf-8")
+
+
+def _clean_chunk(
+    task: tuple[bytes, bytes, int | np.ndarray | None, str],
+) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None, dict[int, _Cleaned] | None]:
+    """Decode and clean a block of line pairs (in a worker): the first invalid UTF-8 of each
+    side (line in the block, column, byte) and, per split, what goes to its files. ``labels``
+    is the split of every line (an index into SPLITS, or one for the whole block); None: the
+    sides are not paired (past the end of the shorter file), only check them."""
+    pivot_block, other_block, labels, on_bad_utf8 = task
+    p_lines, p_bad, p_err = decode_block(pivot_block)
+    o_lines, o_bad, o_err = decode_block(other_block)
+    if labels is None or (on_bad_utf8 == "error" and (p_err or o_err)):
+        return p_err, o_err, None
+    bad = set(p_bad).union(o_bad)
+    p_clean, o_clean = clean_lines(p_lines), clean_lines(o_lines)
+    if isinstance(labels, (int, np.integer)):
+        groups = {int(labels): range(len(p_lines))}
+    else:
+        groups = {
+            s: idx.tolist() for s in range(len(SPLITS)) if (idx := np.flatnonzero(labels == s)).size
+        }
+    skip = on_bad_utf8 == "skip"
+    out: dict[int, _Cleaned] = {}
+    for s, idx in groups.items():
+        keep_p, keep_o = [], []
+        n_bad = n_empty = 0
+        for i in idx:
+            if skip and i in bad:
+                n_bad += 1
+                continue
+            a, b = p_clean[i], o_clean[i]
+            if a and b:
+                keep_p.append(a)
+                keep_o.append(b)
             else:
-                pool.close()
-            pool.join()
-    by_text: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in range(len(texts))}
-    for (k, _, _), res in zip(spans, results, strict=True):
-        by_text[k].append(res)
-    out: list[tuple[np.ndarray, np.ndarray]] = []
-    for k in range(len(texts)):
-        parts = by_text[k]
-        if parts:
-            out.append(
-                (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+                n_empty += 1
+        replaced = sum(i in bad for i in idx) if bad and on_bad_utf8 == "replace" else 0
+        refs = None
+        if SPLITS[s] != "train":
+            refs = tuple(
+                reference_block([lines[i] for i in idx]).encode("utf-8")
+                for lines in (p_lines, o_lines)
             )
-        else:
-            out.append((np.zeros(0, np.int32), np.zeros(0, np.int64)))
+        counts = (len(keep_p), len(idx), n_bad, n_empty, replaced)
+        out[s] = (_joined(keep_p), _joined(keep_o), *counts, refs)
+    return p_err, o_err, out
+
+
+def _chunk_tasks(
+    files: SplitFiles, labels: int | np.ndarray, on_bad_utf8: str
+) -> Iterator[tuple[tuple, tuple | None]]:
+    """Tasks for :func:`_clean_chunk` over each pair of files of a split, :data:`CHUNK_LINES`
+    lines at a time, then an ``end`` marker per pair of files. Once the shorter file ends, the
+    rest of the longer one is still read (only checked), so that its invalid UTF-8 is reported
+    before the line counts, as when files were read whole."""
+    offset = 0
+    for pf, of in zip(files.pivot_files, files.other_files, strict=True):
+        with LineReader(pf) as rp, LineReader(of) as ro:
+            paired = True
+            while True:
+                p_first, o_first = rp.lines, ro.lines
+                pb, na = rp.take(CHUNK_LINES)
+                ob, nb = ro.take(CHUNK_LINES)
+                if na == nb == 0:
+                    break
+                meta = ("chunk", pf, of, p_first, o_first, len(pb) + len(ob))
+                if paired and na == nb:
+                    part = labels if isinstance(labels, int) else labels[offset : offset + na]
+                    offset += na
+                    yield meta, (pb, ob, part, on_bad_utf8)
+                else:
+                    paired = False
+                    yield meta, (pb, ob, None, on_bad_utf8)
+            yield ("end", pf, of, rp.lines, ro.lines, 0), None
+
+
+def _write_lines(f: BinaryIO, lines: bytes) -> None:
+    """Append ``\\n``-terminated lines (UTF-8) to an open file."""
+    f.write(lines)
+
+
+def _read_clean(
+    opts: PreprocessOptions,
+    found: dict[str, dict[str, SplitFiles]],
+    pool: mp.pool.Pool | None,
+    tmp: Path,
+) -> dict[tuple[str, str], _Split]:
+    """Pass 1: every pair's splits cleaned into spill files, the raw dev/test references
+    written, everything validated (line counts, UTF-8) with the errors of reading whole files."""
+    pivot, mode = opts.pivot, opts.on_bad_utf8
+    spill_dir = tmp / SPILL_DIR
+    spill_dir.mkdir()
+    total = 0
+    for splits in found.values():
+        for sf in splits.values():
+            for path in (*sf.pivot_files, *sf.other_files):
+                try:
+                    total += path.stat().st_size
+                except OSError as exc:
+                    raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    bar = _bar(opts.progress, total=total, unit="B", unit_scale=True, desc="read/clean")
+    out: dict[tuple[str, str], _Split] = {}
+    try:
+        for lang, splits in found.items():
+            pair = pair_name(pivot, lang)
+            held_out = "dev" not in splits
+            states = {
+                split: _Split(
+                    (spill_dir / f"{split}.{pair}.{pivot}", spill_dir / f"{split}.{pair}.{lang}"),
+                    origin(splits["train" if held_out else split], split, held_out, opts.spm.seed),
+                )
+                for split in SPLITS
+            }
+            with ExitStack() as files:
+                spill = {
+                    s: tuple(files.enter_context(open(p, "wb")) for p in states[split].spill)
+                    for s, split in enumerate(SPLITS)
+                }
+                refs = {
+                    s: tuple(
+                        files.enter_context(open(tmp / "raw" / f"{split}.{pair}.{code}", "wb"))
+                        for code in (pivot, lang)
+                    )
+                    for s, split in enumerate(SPLITS)
+                    if split != "train"
+                }
+                sources: list[tuple[SplitFiles, int | np.ndarray]]
+                if held_out:
+                    train = splits["train"]
+                    n = sum(count_lines(p) for p in train.pivot_files)
+                    labels = hold_out_labels(n, opts.dev_size, opts.test_size, opts.spm.seed)
+                    sources = [(train, labels)]
+                else:
+                    sources = [(splits[split], s) for s, split in enumerate(SPLITS)]
+                for sf, labels in sources:
+                    tasks = _chunk_tasks(sf, labels, mode)
+                    other_error: DataError | None = None
+                    for meta, res in _in_order(_clean_chunk, tasks, pool):
+                        kind, pf, of, p_at, o_at, nbytes = meta
+                        if kind == "end":
+                            if other_error is not None:
+                                raise other_error
+                            if p_at != o_at:
+                                raise DataError(line_mismatch(pf, p_at, of, o_at))
+                            continue
+                        p_err, o_err, cleaned = res
+                        if mode == "error" and p_err is not None:
+                            raise utf8_error(pf, p_at + p_err[0] + 1, *p_err[1:])
+                        if mode == "error" and o_err is not None and other_error is None:
+                            other_error = utf8_error(of, o_at + o_err[0] + 1, *o_err[1:])
+                        bar.update(nbytes)
+                        if cleaned is None or other_error is not None:
+                            continue
+                        for s, (
+                            p_text,
+                            o_text,
+                            kept,
+                            raw,
+                            n_bad,
+                            n_empty,
+                            repl,
+                            ref,
+                        ) in cleaned.items():
+                            st = states[SPLITS[s]]
+                            _write_lines(spill[s][0], p_text)
+                            _write_lines(spill[s][1], o_text)
+                            st.sizes[0] += len(p_text)
+                            st.sizes[1] += len(o_text)
+                            st.kept += kept
+                            st.uncut += kept
+                            st.raw += raw
+                            st.bad_utf8 += n_bad
+                            st.empty += n_empty
+                            st.replaced += repl
+                            if st.uncut >= CHUNK_LINES:
+                                st.cut()
+                            if ref is not None:
+                                _write_lines(refs[s][0], ref[0])
+                                _write_lines(refs[s][1], ref[1])
+                    if held_out:
+                        del labels
+            for split, st in states.items():
+                st.cut()
+                out[(lang, split)] = st
+    finally:
+        bar.close()
     return out
+
+
+def _filters(st: _Split, too_long: int = 0) -> dict[str, int]:
+    return {"bad_utf8": st.bad_utf8, "empty": st.empty, "too_long": too_long}
+
+
+# ---------------------------------------------------------------------------------------------
+# The SentencePiece sample, read back from the spill files, and training in a child process.
+
+
+def _pick_lines(path: Path, wanted: np.ndarray, out: BinaryIO) -> None:
+    """Append lines ``wanted`` (0-based, increasing) of ``path`` to ``out``."""
+    j, pos = 0, 0
+    with open(path, "rb") as f:
+        while j < wanted.size:
+            lines = list(islice(f, SAMPLE_BLOCK_LINES))
+            if not lines:
+                raise RuntimeError(f"{path}: {wanted[-1] + 1} lines expected, {pos} found")
+            end = pos + len(lines)
+            k = int(np.searchsorted(wanted, end))
+            out.write(b"".join([lines[i - pos] for i in wanted[j:k].tolist()]))
+            j, pos = k, end
+
+
+def _write_sample(
+    pools: dict[str, list[tuple[Path, int]]], opts: spm_lib.SpmOptions, path: Path
+) -> dict[str, int]:
+    """Write SentencePiece's training mix (:func:`spm.sample_plan`) to ``path``, one sentence
+    a line, reading only the chosen lines of each language's spill files (a language's text is
+    the concatenation of its files). Returns how many sentences came from each language."""
+    sizes = {code: sum(n for _, n in files) for code, files in pools.items()}
+    plan = spm_lib.sample_plan(sizes, opts)
+    with open(path, "wb") as out:
+        for code, idx in plan.items():
+            # Runs of increasing indices: whole passes over a small language, then the sample.
+            for run in np.split(idx, np.flatnonzero(np.diff(idx) <= 0) + 1):
+                base = 0
+                for file, n in pools[code]:
+                    lo, hi = np.searchsorted(run, [base, base + n])
+                    if hi > lo:
+                        _pick_lines(file, run[lo:hi] - base, out)
+                    base += n
+    return {code: int(idx.size) for code, idx in plan.items()}
+
+
+def _sample_sentences(path: Path) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for line in f:
+            yield line[:-1].decode("utf-8")
+
+
+def _train_spm(
+    sample: Path, count: int, prefix: Path, languages: list[str], opts: spm_lib.SpmOptions
+) -> dict:
+    """SentencePiece training on the sample file (run in a child process)."""
+    return spm_lib.train_spm(_sample_sentences(sample), count, prefix, languages, opts)
+
+
+def _train_in_child(stats: PhaseStats, *args: Any) -> dict:
+    """:func:`_train_spm` in a child process, so that the trainer's memory goes back to the
+    system when it ends (a process keeps its heap) and no encoding worker inherits it."""
+    pool = _pool(1, stats)
+    try:
+        info = pool.apply_async(_train_spm, args).get()
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding: spill files -> indexed datasets, chunk by chunk, written as results arrive.
+
+
+def _encode_span(task: tuple[Path, int, int, Path, int, int, int | None]) -> tuple:
+    """Encode one chunk of both sides (in a worker): read the two byte ranges of the spill
+    files, encode, drop the pairs with a side over ``max_len`` tokens (None: keep all).
+    Returns (pivot ids, pivot lengths, other ids, other lengths, pairs dropped)."""
+    p_path, p0, p1, o_path, o0, o1, max_len = task
+    sides = []
+    for path, start, end in ((p_path, p0, p1), (o_path, o0, o1)):
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read(end - start).decode("utf-8")
+        sides.append(spm_lib.encode_chunk(text[:-1].split("\n")))
+    (pf, pn), (of, on) = sides
+    if max_len is None:
+        return pf, pn, of, on, 0
+    keep = (pn <= max_len) & (on <= max_len)
+    if keep.all():
+        return pf, pn, of, on, 0
+    pf, pn = _select(pf, pn, keep)
+    of, on = _select(of, on, keep)
+    return pf, pn, of, on, int((~keep).sum())
 
 
 def _select(
@@ -254,10 +572,76 @@ def _select(
     return flat[np.repeat(keep, lengths)], lengths[keep]
 
 
-def _write_lines(path: Path, lines: list[str]) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for line in lines:
-            f.write(line + "\n")
+@dataclass
+class _Encoded:
+    """One pair and split after encoding: dataset prefixes, tokens and pairs kept."""
+
+    files: dict[str, str]
+    tokens: dict[str, int]
+    sentences: int
+    too_long: int
+
+
+def _encode_all(
+    opts: PreprocessOptions,
+    split_states: dict[tuple[str, str], _Split],
+    model_file: str,
+    dtype: np.dtype,
+    stats: PhaseStats,
+    tmp: Path,
+) -> dict[tuple[str, str], _Encoded]:
+    """Encode every pair and split in ``workers`` processes, writing each chunk to the indexed
+    datasets as it comes back (in order); the output does not depend on ``workers``."""
+    pivot = opts.pivot
+
+    def tasks() -> Iterator[tuple[tuple, tuple | None]]:
+        for key, st in split_states.items():
+            yield ("start", key, 0), None
+            max_len = opts.max_len if key[1] == "train" else None
+            for (p0, o0), (p1, o1) in zip(st.cuts, st.cuts[1:], strict=False):
+                yield ("chunk", key, 0), (st.spill[0], p0, p1, st.spill[1], o0, o1, max_len)
+            yield ("end", key, 0), None
+
+    total = 2 * sum(st.kept for st in split_states.values())
+    bar = _bar(opts.progress, total=total, unit="sent", desc="encode")
+    out: dict[tuple[str, str], _Encoded] = {}
+    writers: list[IndexedDatasetWriter] = []
+    try:
+        with _workers(opts.workers, stats, _init_worker, (model_file,)) as pool:
+            if pool is None:
+                spm_lib.init_worker(model_file, pool_worker=False)
+            for (kind, key, _), res in _in_order(_encode_span, tasks(), pool):
+                lang, split = key
+                if kind == "start":
+                    pair = pair_name(pivot, lang)
+                    files = {code: f"bin/{split}.{pair}.{code}" for code in (pivot, lang)}
+                    enc = out[key] = _Encoded(files, dict.fromkeys(files, 0), 0, 0)
+                    writers = [IndexedDatasetWriter(tmp / rel, dtype) for rel in files.values()]
+                elif kind == "chunk":
+                    pf, pn, of, on, dropped = res
+                    for w, code, flat, lengths in zip(
+                        writers, (pivot, lang), (pf, of), (pn, on), strict=True
+                    ):
+                        w.add_many(flat, lengths)
+                        enc.tokens[code] += int(lengths.sum())
+                    enc.sentences += int(pn.size)
+                    enc.too_long += dropped
+                    bar.update(2 * (pn.size + dropped))
+                else:
+                    for w in writers:
+                        w.finalize()
+                    writers = []
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run.
 
 
 def _check_spm_options(o: spm_lib.SpmOptions) -> None:
@@ -280,7 +664,25 @@ def _check_spm_options(o: spm_lib.SpmOptions) -> None:
 
 
 def preprocess(opts: PreprocessOptions) -> dict:
-    """Run the whole pipeline; returns the manifest written to ``opts.output/manifest.json``."""
+    """Run the whole pipeline; returns the manifest written to ``opts.output/manifest.json``
+    (and writes ``opts.stats`` when set)."""
+    stats = PhaseStats(sample_memory=opts.stats is not None)
+    try:
+        manifest = _preprocess(opts, stats)
+    finally:
+        stats.stop()
+    if opts.stats is not None:
+        try:
+            with open(opts.stats, "w", encoding="utf-8") as f:
+                json.dump(stats.summary(), f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            reason = write_failure_reason(exc)
+            raise DataError(f"--stats {opts.stats}: cannot write ({reason})") from None
+    return manifest
+
+
+def _preprocess(opts: PreprocessOptions, stats: PhaseStats) -> dict:
     langs = parse_langs(opts.langs, opts.pivot)
     check_directions(opts.directions, langs, opts.pivot)
     if opts.max_len < 1:
@@ -291,32 +693,12 @@ def preprocess(opts: PreprocessOptions) -> dict:
     for flag, value in (("--dev-size", opts.dev_size), ("--test-size", opts.test_size)):
         if not isinstance(value, int) or value < 0:
             raise DataError(f"{flag} must be an integer >= 0, got {value!r}")
+    if opts.stats is not None and not Path(opts.stats).parent.is_dir():
+        raise DataError(f"--stats {opts.stats}: its directory does not exist")
     out = Path(opts.output)
     inputs = [("--input", opts.input_dir)]
     check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
-    corpus, split_source = read_corpus(
-        opts.fmt,
-        opts.input_dir,
-        langs,
-        opts.pivot,
-        opts.on_bad_utf8,
-        opts.dev_size,
-        opts.test_size,
-        opts.spm.seed,
-    )
-    pivot = opts.pivot
-    pairs = {lang: corpus[lang][SPLITS[0]].pair for lang in langs}
-    cleaned = {
-        (lang, split): _clean_pairs(corpus[lang][split], opts.on_bad_utf8)
-        for lang in langs
-        for split in SPLITS
-    }
-    for lang in langs:
-        if not cleaned[(lang, "train")].pivot:
-            raise DataError(
-                f"{corpus[lang]['train'].origin}: no training pairs left after cleaning "
-                f"(filters: {cleaned[(lang, 'train')].filters})"
-            )
+    found = discover(opts.fmt, opts.input_dir, langs, opts.pivot)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
@@ -326,11 +708,16 @@ def preprocess(opts: PreprocessOptions) -> dict:
     except OSError as exc:
         raise write_failure(exc, out) from None
     try:
-        manifest = _build(opts, langs, pivot, pairs, corpus, cleaned, split_source, tmp)
-        write_marker(tmp, DATA_TOOL, DATA_KIND)
-        # Still ours to replace (nothing else appeared there meanwhile).
-        check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
-        publish_dir(tmp, out)
+        manifest = _build(opts, langs, found, stats, tmp)
+        with stats.phase("finish"):
+            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+            shutil.rmtree(tmp / SPILL_DIR)
+            write_marker(tmp, DATA_TOOL, DATA_KIND)
+            # Still ours to replace (nothing else appeared there meanwhile).
+            check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
+            publish_dir(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_failure(exc, out) from None
@@ -343,103 +730,97 @@ def preprocess(opts: PreprocessOptions) -> dict:
 def _build(
     opts: PreprocessOptions,
     langs: list[str],
-    pivot: str,
-    pairs: dict[str, str],
-    corpus: dict[str, dict[str, PairLines]],
-    cleaned: dict[tuple[str, str], _Cleaned],
-    split_source: dict[str, str],
+    found: dict[str, dict[str, SplitFiles]],
+    stats: PhaseStats,
     tmp: Path,
 ) -> dict:
+    """The four phases before ``finish``, in ``tmp``; returns the manifest."""
     (tmp / "bin").mkdir()
     (tmp / "raw").mkdir()
+    pivot = opts.pivot
     all_langs = sorted([pivot, *langs])
     kept = check_directions(opts.directions, langs, pivot)
+    pairs = {lang: pair_name(pivot, lang) for lang in langs}
 
-    # Evaluation references: every dev/test line, unfiltered.
-    references: dict[str, dict[str, dict]] = {"dev": {}, "test": {}}
-    for split in ("dev", "test"):
-        for lang in langs:
-            pl, pair = corpus[lang][split], pairs[lang]
-            for code, lines in ((pivot, pl.pivot_lines), (lang, pl.other_lines)):
-                _write_lines(tmp / "raw" / f"{split}.{pair}.{code}", [reference(x) for x in lines])
-            for src, tgt in ((lang, pivot), (pivot, lang)):
-                if f"{src}-{tgt}" not in kept:
-                    continue
-                references[split][f"{src}-{tgt}"] = {
-                    "src": f"raw/{split}.{pair}.{src}",
-                    "tgt": f"raw/{split}.{pair}.{tgt}",
-                    "sentences": len(pl.pivot_lines),
-                }
-
-    # Joint SentencePiece model on the cleaned training text.
-    spm_text: dict[str, list[str]] = {code: [] for code in all_langs}
+    with stats.phase("read_clean"), _workers(opts.workers, stats) as pool:
+        split_states = _read_clean(opts, found, pool, tmp)
     for lang in langs:
-        c = cleaned[(lang, "train")]
-        spm_text[pivot] += c.pivot
-        spm_text[lang] += c.other
-    spm_info = spm_lib.train_spm(spm_text, tmp / "spm", all_langs, opts.spm)
-    del spm_text
+        st = split_states[(lang, "train")]
+        if not st.kept:
+            raise DataError(
+                f"{st.origin}: no training pairs left after cleaning (filters: {_filters(st)})"
+            )
+
+    # Joint SentencePiece model on a sample of the cleaned training text.
+    with stats.phase("spm_sample"):
+        pools: dict[str, list[tuple[Path, int]]] = {code: [] for code in all_langs}
+        for lang in langs:
+            st = split_states[(lang, "train")]
+            pools[pivot].append((st.spill[0], st.kept))
+            pools[lang].append((st.spill[1], st.kept))
+        sample = tmp / SPILL_DIR / "spm_sample"
+        used = _write_sample(pools, opts.spm, sample)
+    with stats.phase("spm_train"):
+        count = sum(used.values())
+        if _show_progress(opts.progress):
+            print(
+                f"spm: training a {opts.spm.model_type} model of {opts.spm.vocab_size} pieces "
+                f"on {count} sentences (one thread)",
+                file=sys.stderr,
+            )
+        spm_info = _train_in_child(stats, sample, count, tmp / "spm", all_langs, opts.spm)
+        spm_info["sample_sentences"] = used
+        sample.unlink()
     vocab_size = spm_info["vocab_size"]
     dtype = dtype_for_vocab(vocab_size)
 
-    keys = [(lang, split) for lang in langs for split in SPLITS]
-    texts: list[list[str]] = []
-    for key in keys:
-        texts += [cleaned[key].pivot, cleaned[key].other]
-    encoded = _encode_all(texts, str(tmp / "spm.model"), opts.workers, opts.progress)
+    with stats.phase("encode_write"):
+        encoded = _encode_all(opts, split_states, str(tmp / "spm.model"), dtype, stats, tmp)
 
     splits_info: dict[str, dict] = {}
     for split in SPLITS:
         info: dict = {"sentences": 0, "filters": dict.fromkeys(FILTERS, 0), "pairs": {}}
         info["directions"] = {}
+        references = {}
         for lang in langs:
-            k = keys.index((lang, split))
-            c, pair = cleaned[(lang, split)], pairs[lang]
-            (pf, pn), (of, on) = encoded[2 * k], encoded[2 * k + 1]
-            keep = np.ones(pn.size, dtype=bool)
-            if split == "train":
-                keep = (pn <= opts.max_len) & (on <= opts.max_len)
-            filters = dict(c.filters)
-            filters["too_long"] = int((~keep).sum())
-            files, tokens = {}, {}
-            for code, flat, lengths in ((pivot, pf, pn), (lang, of, on)):
-                flat, lengths = _select(flat, lengths, keep)
-                rel = f"bin/{split}.{pair}.{code}"
-                with IndexedDatasetWriter(tmp / rel, dtype) as w:
-                    w.add_many(flat, lengths)
-                files[code], tokens[code] = rel, int(lengths.sum())
-            n_kept = int(keep.sum())
-            raw_n = len(corpus[lang][split].pivot_lines)
-            if raw_n != n_kept + sum(filters.values()):
+            st, enc, pair = split_states[(lang, split)], encoded[(lang, split)], pairs[lang]
+            filters = _filters(st, enc.too_long)
+            if st.raw != enc.sentences + sum(filters.values()):
                 raise RuntimeError(f"filter counts of {pair} {split} do not add up")
             info["pairs"][pair] = {
-                "raw_sentences": raw_n,
-                "sentences": n_kept,
+                "raw_sentences": st.raw,
+                "sentences": enc.sentences,
                 "filters": filters,
-                "bad_utf8_replaced": c.replaced_utf8,
-                "tokens": tokens,
-                "files": files,
-                "source": split_source[pair],
+                "bad_utf8_replaced": st.replaced,
+                "tokens": enc.tokens,
+                "files": enc.files,
+                "source": "held-out" if "dev" not in found[lang] else "files",
             }
-            info["sentences"] += n_kept
+            info["sentences"] += enc.sentences
             for name, val in filters.items():
                 info["filters"][name] += val
             for src, tgt in ((lang, pivot), (pivot, lang)):
                 if f"{src}-{tgt}" not in kept:
                     continue
                 info["directions"][f"{src}-{tgt}"] = {
-                    "src": files[src],
-                    "tgt": files[tgt],
-                    "sentences": n_kept,
-                    "src_tokens": tokens[src],
-                    "tgt_tokens": tokens[tgt],
+                    "src": enc.files[src],
+                    "tgt": enc.files[tgt],
+                    "sentences": enc.sentences,
+                    "src_tokens": enc.tokens[src],
+                    "tgt_tokens": enc.tokens[tgt],
+                }
+                # Evaluation references: every dev/test line, unfiltered.
+                references[f"{src}-{tgt}"] = {
+                    "src": f"raw/{split}.{pair}.{src}",
+                    "tgt": f"raw/{split}.{pair}.{tgt}",
+                    "sentences": st.raw,
                 }
         info["directions"] = dict(sorted(info["directions"].items()))
-        if split in references:
-            info["references"] = dict(sorted(references[split].items()))
+        if split != "train":
+            info["references"] = dict(sorted(references.items()))
         splits_info[split] = info
 
-    manifest = {
+    return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "pivot": pivot,
@@ -459,7 +840,3 @@ def _build(
         "splits": splits_info,
         "command": opts.command,
     }
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    return manifest

@@ -1,9 +1,10 @@
 """Training the joint SentencePiece model, deterministically.
 
 The training text is a temperature-sampled mix of the languages' training sentences (small
-languages are repeated, large ones subsampled), drawn with a seeded generator; SentencePiece
-itself runs with its random seed fixed and one thread, so the same corpus and options give the
-same model file. Special ids follow :mod:`megatron_branchnorm.tokens`; every language's ``<2xx>``
+languages are repeated, large ones subsampled), drawn with a seeded generator
+(:func:`sample_plan` says which sentences, so a caller can read just those from disk);
+SentencePiece itself runs with its random seed fixed and one thread (more threads give another
+model), so the same corpus and options give the same model file. Special ids follow :mod:`megatron_branchnorm.tokens`; every language's ``<2xx>``
 tag is a user-defined symbol, so tags get the ids right after ``</s>`` in language order.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import gc
 import io
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -38,46 +41,55 @@ class SpmOptions:
     seed: int = 1
 
 
+def sample_plan(counts: dict[str, int], opts: SpmOptions) -> dict[str, np.ndarray]:
+    """Which sentences of each language (by index in its training text; languages in sorted
+    order) make up the training mix: a language below its temperature share is repeated
+    (whole passes in order), then a seeded sample in index order tops it up."""
+    langs = sorted(counts)
+    sizes = [counts[lang] for lang in langs]
+    if sum(sizes) == 0:
+        raise DataError("no training sentences left to train SentencePiece on")
+    total = min(opts.sample_size, sum(sizes))
+    take = allocate(total, temperature_probs(sizes, opts.temperature))
+    plan = {}
+    for i, lang in enumerate(langs):
+        size, k = sizes[i], int(take[i])
+        rng = np.random.default_rng([opts.seed, i])
+        reps, extra = divmod(k, size) if size else (0, 0)
+        plan[lang] = (
+            np.concatenate(
+                [np.arange(size)] * reps + [np.sort(rng.choice(size, extra, replace=False))]
+            )
+            if size
+            else np.zeros(0, np.int64)
+        )
+    return plan
+
+
 def sample_mix(
     sentences: dict[str, list[str]], opts: SpmOptions
 ) -> tuple[list[str], dict[str, int]]:
-    """The training sentences (languages in sorted order) and how many came from each language."""
-    langs = sorted(sentences)
-    counts = [len(sentences[lang]) for lang in langs]
-    if sum(counts) == 0:
-        raise DataError("no training sentences left to train SentencePiece on")
-    total = min(opts.sample_size, sum(counts))
-    take = allocate(total, temperature_probs(counts, opts.temperature))
+    """The training sentences of :func:`sample_plan` (languages in sorted order) and how many
+    came from each language."""
+    plan = sample_plan({lang: len(pool) for lang, pool in sentences.items()}, opts)
     mix: list[str] = []
-    used = {}
-    for i, lang in enumerate(langs):
-        pool, k = sentences[lang], int(take[i])
-        rng = np.random.default_rng([opts.seed, i])
-        reps, extra = divmod(k, len(pool)) if pool else (0, 0)
-        idx = (
-            np.concatenate(
-                [np.arange(len(pool))] * reps
-                + [np.sort(rng.choice(len(pool), extra, replace=False))]
-            )
-            if pool
-            else np.zeros(0, np.int64)
-        )
-        mix.extend(pool[j] for j in idx.tolist())
-        used[lang] = int(idx.size)
-    return mix, used
+    for lang, idx in plan.items():
+        mix.extend(sentences[lang][j] for j in idx.tolist())
+    return mix, {lang: int(idx.size) for lang, idx in plan.items()}
 
 
 def train_spm(
-    sentences: dict[str, list[str]],
+    sentences: Iterable[str],
+    count: int,
     model_prefix: str | Path,
     languages: list[str],
     opts: SpmOptions,
 ) -> dict:
-    """Train ``model_prefix.model`` (and a ``.vocab`` listing: piece, tab, score) and return
-    what the manifest records about it."""
+    """Train ``model_prefix.model`` (and a ``.vocab`` listing: piece, tab, score) on
+    ``sentences`` (``count`` of them, the mix of :func:`sample_plan`) and return what the
+    manifest records about it (all but ``sample_sentences``)."""
     if opts.model_type not in MODEL_TYPES:
         raise DataError(f"--model-type must be one of {', '.join(MODEL_TYPES)}")
-    mix, used = sample_mix(sentences, opts)
     model_prefix = Path(model_prefix)
     # Sentences go in through an iterator and the model comes back as bytes, so no file path
     # ends up in the model's trainer spec and the file depends only on the data and options.
@@ -86,13 +98,14 @@ def train_spm(
     sp.set_random_generator_seed(opts.seed)
     try:
         sp.SentencePieceTrainer.train(
-            sentence_iterator=iter(mix),
+            sentence_iterator=iter(sentences),
             model_writer=writer,
             vocab_size=opts.vocab_size,
             model_type=opts.model_type,
             character_coverage=opts.character_coverage,
             **SPM_SPECIALS,
             user_defined_symbols=tags,
+            # More threads change the model (measured: docs/data.md, "SentencePiece").
             num_threads=1,
             input_sentence_size=0,
             shuffle_input_sentence=False,
@@ -100,7 +113,7 @@ def train_spm(
         )
     except RuntimeError as exc:
         msg = " ".join(str(exc).split())
-        raise DataError(f"SentencePiece training on {len(mix)} sentences failed: {msg}") from None
+        raise DataError(f"SentencePiece training on {count} sentences failed: {msg}") from None
     proto = writer.getvalue()
     Path(f"{model_prefix}.model").write_bytes(proto)
     model = sp.SentencePieceProcessor(model_proto=proto)
@@ -118,7 +131,6 @@ def train_spm(
         "character_coverage": opts.character_coverage,
         "temperature": opts.temperature,
         "seed": opts.seed,
-        "sample_sentences": used,
     }
 
 
@@ -140,6 +152,6 @@ def encode_chunk(lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
         raise RuntimeError("encode_chunk needs init_worker first")
     # One thread per process: --workers alone decides how many cores encoding uses.
     pieces = _worker_model.encode(lines, out_type=int, num_threads=1)
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32, count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    flat = np.fromiter(chain.from_iterable(pieces), dtype=np.int32, count=int(lengths.sum()))
     return flat, lengths

@@ -1,7 +1,9 @@
 """Reading parallel text files line by line, and the two normalisations applied to a line.
 
 Lines are split on ``\\n`` only: ``\\r``, U+2028, NUL, form feed and a BOM inside a line never
-split or shift it (Python's ``str.splitlines`` would).
+split or shift it (Python's ``str.splitlines`` would). :func:`read_lines` reads a whole file;
+preprocessing streams blocks of whole lines through :func:`decode_block`, :func:`clean_lines`
+and :func:`reference_block`, which give the same lines, errors and text line for line.
 
 * :func:`clean` (training text and encoded dev/test): control characters and the byte-order
   mark removed, every kind of whitespace collapsed to one space, ends stripped.
@@ -35,6 +37,8 @@ def _clean_table() -> dict[int, str | None]:
 
 
 _CLEAN_TABLE = _clean_table()
+# The same, keeping \n: a block of lines translated at once (a line never contains \n).
+_CLEAN_BLOCK_TABLE = _CLEAN_TABLE | {ord("\n"): "\n"}
 
 
 def clean(line: str) -> str:
@@ -45,6 +49,56 @@ def clean(line: str) -> str:
 def reference(line: str) -> str:
     """Evaluation-reference form: line-break look-alikes become spaces; NUL and BOM removed."""
     return line.translate(_REFERENCE_TABLE)
+
+
+def clean_lines(lines: list[str]) -> list[str]:
+    """:func:`clean` of each line (lines split on ``\\n``, so none contains one)."""
+    if not lines:
+        return []
+    block = "\n".join(lines).translate(_CLEAN_BLOCK_TABLE)
+    return [" ".join(x.split()) for x in block.split("\n")]
+
+
+def reference_block(lines: list[str]) -> str:
+    """:func:`reference` of each line, each ending in ``\\n`` (the references' file text)."""
+    return "".join(x + "\n" for x in lines).translate(_REFERENCE_TABLE)
+
+
+def utf8_error(path: str | Path, line_no: int, column: int, byte: int) -> DataError:
+    """The error for invalid UTF-8 at 1-based ``line_no`` and ``column`` of ``path``."""
+    return DataError(
+        f"{path}:{line_no}: invalid UTF-8 (byte 0x{byte:02x} at column {column}); "
+        "use --on-bad-utf8 skip|replace to drop or repair such lines"
+    )
+
+
+def decode_block(block: bytes) -> tuple[list[str], list[int], tuple[int, int, int] | None]:
+    """The lines of ``block`` (whole lines split on ``\\n``; the last newline is optional),
+    the 0-based numbers of lines with invalid UTF-8 (decoded with U+FFFD replacements), and
+    where the first of them fails: (line number, 1-based column, byte); None when all are
+    valid. Decoding a file block by block finds the same first error as decoding it whole."""
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    else:
+        lines = text.split("\n")
+        if not text or text.endswith("\n"):
+            lines.pop()
+        return lines, [], None
+    raw = block.split(b"\n")
+    if block.endswith(b"\n"):
+        raw.pop()
+    lines, bad, first = [], [], None
+    for i, b in enumerate(raw):
+        try:
+            lines.append(b.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            if first is None:
+                first = (i, exc.start + 1, b[exc.start])
+            lines.append(b.decode("utf-8", errors="replace"))
+            bad.append(i)
+    return lines, bad, first
 
 
 def read_lines(path: str | Path, on_bad_utf8: str = "error") -> tuple[list[str], list[int]]:
@@ -69,10 +123,7 @@ def read_lines(path: str | Path, on_bad_utf8: str = "error") -> tuple[list[str],
         if on_bad_utf8 == "error":
             line_no = data.count(b"\n", 0, exc.start) + 1
             col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-            raise DataError(
-                f"{path}:{line_no}: invalid UTF-8 (byte 0x{data[exc.start]:02x} at column {col}); "
-                "use --on-bad-utf8 skip|replace to drop or repair such lines"
-            ) from None
+            raise utf8_error(path, line_no, col, data[exc.start]) from None
         raw = data.split(b"\n")
         if data.endswith(b"\n"):
             raw.pop()
