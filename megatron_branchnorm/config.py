@@ -97,6 +97,9 @@ class DataConfig:
     """Longest source or target sentence (tokens) used in training."""
     synthetic_size: int = 20000
     """Number of sentence pairs in the synthetic copy/reverse task."""
+    valid_samples_per_direction: int = 200
+    """Validation takes the first K usable sentences (file order, after data.max_length) of
+    every direction's dev split; 0 takes all of them (docs/design.md §16)."""
 
 
 @dataclass
@@ -455,6 +458,11 @@ def validate(cfg: ExperimentConfig) -> None:
         f"{d.max_tokens} cannot hold one sentence of data.max_length={d.max_length} (+2 special tokens)",
     )
     _check(d.synthetic_size >= 1, "data.synthetic_size", f"must be >= 1, got {d.synthetic_size}")
+    _check(
+        d.valid_samples_per_direction >= 0,
+        "data.valid_samples_per_direction",
+        f"must be >= 0 (0: the whole dev split), got {d.valid_samples_per_direction}",
+    )
     _check(p.stages >= 1, "pipeline.stages", f"must be >= 1, got {p.stages}")
     # The spec list is [embed, enc_1..N, enc_final, dec_embed, dec_1..M, dec_final, output].
     n_specs = cfg.model.encoder_layers + cfg.model.decoder_layers + 5

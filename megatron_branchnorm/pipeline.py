@@ -173,11 +173,16 @@ class PipeLoss:
     target tokens of the update across all micro-batches and ranks), so the gradient is that
     of sum(loss) / N. The sums for logging stay on the logits' device (:meth:`sums`): no
     host sync per micro-batch; the trainer reads them once per update.
+
+    Validation records instead one row of sums per call (:meth:`start_recording`): DeepSpeed
+    calls the loss once per micro-batch on the last stage, in order, so row i is micro-batch
+    i's, and the validator sums them per translation direction on the device.
     """
 
     def __init__(self, label_smoothing: float) -> None:
         self.label_smoothing = label_smoothing
         self.scale = 1.0
+        self._records: list[torch.Tensor] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -191,10 +196,24 @@ class PipeLoss:
             return self._sums
         return torch.zeros(3, dtype=torch.float64, device=device)
 
+    def start_recording(self) -> None:
+        """From now on keep each call's (loss, NLL, tokens) sums as a row of its own, in call
+        order, instead of adding them to :meth:`sums`."""
+        self._records = []
+
+    def stop_recording(self) -> torch.Tensor | None:
+        """The rows recorded since :meth:`start_recording`, (calls, 3) float64 on the logits'
+        device (None when there was no call: a stage without the loss); recording stops."""
+        records, self._records = self._records, None
+        return torch.stack(records) if records else None
+
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss, nll, ntok = label_smoothed_nll_loss(logits, target, self.label_smoothing)
         sums = torch.stack([loss.detach(), nll.detach(), ntok.to(loss.dtype)]).double()
-        self._sums = sums if self._sums is None else self._sums.add_(sums)
+        if self._records is not None:
+            self._records.append(sums)
+        else:
+            self._sums = sums if self._sums is None else self._sums.add_(sums)
         return loss * self.scale
 
 

@@ -65,6 +65,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "train.save_dir",
     "train.save_interval",
     "train.eval_interval",
+    "data.valid_samples_per_direction",
     "train.patience",
     "train.keep_last",
     "train.keep_best",

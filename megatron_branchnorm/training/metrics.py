@@ -163,9 +163,8 @@ class MetricsLog:
                 self.tb = False
         if self.tb:
             try:
-                for key, value in record.items():
-                    if isinstance(value, (int, float)) and key != "step":
-                        self.tb.add_scalar(key, value, record["step"])
+                for key, value in _scalars(record):
+                    self.tb.add_scalar(key, value, record["step"])
                 self.tb.flush()
             except Exception as exc:  # noqa: BLE001 - TensorBoard must not stop training
                 self.log(f"tensorboard disabled: {one_line(str(exc), 300)}")
@@ -175,6 +174,18 @@ class MetricsLog:
         if self.tb:
             self.tb.close()
         self.tb = None
+
+
+def _scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """TensorBoard's scalars of a row: its numbers but ``step``, and the numbers of a dict
+    value as ``key/name`` (``valid_loss_by_direction/de-en``)."""
+    out = []
+    for key, value in record.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for name, v in items:
+            if isinstance(v, (int, float)) and key != "step":
+                out.append((key if name is None else f"{key}/{name}", v))
+    return out
 
 
 def format_eta(seconds: float) -> str:
