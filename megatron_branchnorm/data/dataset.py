@@ -195,8 +195,11 @@ class TranslationData:
         self._tgt: list[IndexedDataset] = []
         self._tag: list[int] = []
         self._offsets: list[int] = []
-        self._valid: list[np.ndarray] = []
-        self._lengths: list[tuple[np.ndarray, np.ndarray]] = []
+        # The usable samples of each direction; None when every sample is (the usual case:
+        # preprocessing filtered with the same limit). Nothing else is kept per sample: the
+        # lengths are read from the memory-mapped indexes when asked for (docs/design.md §15).
+        self._valid: list[np.ndarray | None] = []
+        self._counts: list[int] = []
         self.num_too_long = 0
         offset = 0
         for name in self.directions:
@@ -207,33 +210,38 @@ class TranslationData:
                     f"{src.prefix}.idx has {len(src)} and {tgt.prefix}.idx {len(tgt)} sequences, "
                     f"manifest {mpath} says {e['sentences']}"
                 )
-            src_n = src.sizes.astype(np.int64)
-            tgt_n = tgt.sizes.astype(np.int64)
-            if max_length is None:
-                valid = np.arange(len(src), dtype=np.int64)
-            else:
-                valid = np.flatnonzero((src_n <= max_length) & (tgt_n <= max_length))
-            self.num_too_long += len(src) - valid.size
+            valid = None
+            if max_length is not None:
+                ok = (src.sizes <= max_length) & (tgt.sizes <= max_length)
+                if not ok.all():
+                    valid = np.flatnonzero(ok).astype(np.int32 if ok.size < 2**31 else np.int64)
+            count = len(src) if valid is None else valid.size
+            self.num_too_long += len(src) - count
             self._src.append(src)
             self._tgt.append(tgt)
             self._tag.append(self.manifest["tag_ids"][name.split("-", 1)[1]])
             self._offsets.append(offset)
             self._valid.append(valid)
-            self._lengths.append((src_n + 2, tgt_n + 1))
+            self._counts.append(count)
             offset += len(src)
         self.num_samples = offset
         """Samples over all directions before the max_length filter (the range of ``ids``)."""
 
     def __len__(self) -> int:
-        return sum(v.size for v in self._valid)
+        return sum(self._counts)
 
     def group_indices(self, group: int) -> np.ndarray:
         """Local indices of the samples of direction ``group`` that pass ``max_length``."""
-        return self._valid[group]
+        valid = self._valid[group]
+        if valid is None:
+            return np.arange(self._counts[group], dtype=np.int64)
+        return valid.astype(np.int64)
 
     def group_lengths(self, group: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, target) tensor lengths with specials: (n + 2, m + 1) per sample."""
-        return self._lengths[group]
+        return self._src[group].sizes.astype(np.int64) + 2, self._tgt[group].sizes.astype(
+            np.int64
+        ) + 1
 
     def sample_offset(self, group: int) -> int:
         """Global sample id of local index 0 of direction ``group`` (the batches' ``ids``)."""
@@ -463,38 +471,54 @@ class BatchSampler:
         direction and this rank's share rather than the corpus (docs/design.md §15)."""
         if not self.shuffle or self.world_size != 1:
             raise ValueError("epoch_plan is the shuffled stream of one sampler for all ranks")
-        stats, owner = [], []
-        for g in range(len(self.data.directions)):
-            idx, ends = self._direction_batches(g, epoch)
-            src_len, tgt_len = self.data.group_lengths(g)
-            ids = idx + self.data.sample_offset(g)
-            stats.append(
-                _stats(ends, [tgt_len[idx], src_len[idx], np.ones_like(idx), id_fingerprints(ids)])
-            )
-            owner.append(np.full(ends.size, g, dtype=np.int64))
-        by_batch = [np.concatenate([s[k] for s in stats]) for k in range(4)]
-        owner_all = np.concatenate(owner)
-        if owner_all.size == 0:
+        ndir = len(self.data.directions)
+        # Pass 1: how many batches each direction cuts. The greedy cut depends only on the
+        # sorted keys, that is on their histogram: no tie-break permutation or sort here.
+        counts = np.zeros(ndir, dtype=np.int64)
+        for g in range(ndir):
+            hist = np.bincount(self._keys[g][self._epoch_samples(g, epoch)])
+            keys = np.repeat(np.arange(hist.size, dtype=self._keys[g].dtype), hist)
+            counts[g] = _batch_ends(keys, self.max_tokens).size
+        total = int(counts.sum())
+        if total == 0:
             raise DataError(f"no batch in an epoch ({int(self.counts.sum())} samples)")
-        perm = self._rng(_STREAM_ORDER, epoch).permutation(owner_all.size)  # position -> batch
-        positions = np.flatnonzero(keep(np.arange(perm.size)))
-        first = np.concatenate([[0], np.cumsum([o.size for o in owner])])  # batch ids by direction
+        first = np.concatenate([[0], np.cumsum(counts)])  # batch ids of each direction
+        perm = self._rng(_STREAM_ORDER, epoch).permutation(total)  # position -> batch
+        positions = np.flatnonzero(keep(np.arange(total)))
+        position_of = np.full(total, -1, dtype=np.int64)  # batch -> position, where kept
+        position_of[perm[positions]] = positions
+        sums = [np.zeros(total, dtype=np.int64) for _ in range(3)]
+        prints = np.zeros(total, dtype=np.uint64)
         mine: dict[int, tuple[int, np.ndarray]] = {}
-        wanted = perm[positions]
-        for g in np.unique(owner_all[wanted]).tolist():
-            idx, ends = self._direction_batches(g, epoch)  # again: only what this rank reads
-            starts = np.concatenate([[0], ends[:-1]])
-            sel = (owner_all[wanted] == g).nonzero()[0]
-            for pos, b in zip(
-                positions[sel].tolist(), (wanted[sel] - first[g]).tolist(), strict=True
-            ):
-                mine[pos] = (g, idx[starts[b] : ends[b]])
+        # Pass 2: each direction's batches, their sizes, and a copy of the kept ones only.
+        for g in range(ndir):
+            idx, ends = self._direction_batches(g, epoch)
+            if ends.size != counts[g]:
+                raise RuntimeError(f"direction {g}: {ends.size} batches, counted {counts[g]}")
+            src_len, tgt_len = self.data.group_lengths(g)
+            lo, hi = int(first[g]), int(first[g + 1])
+            ids = idx + self.data.sample_offset(g)
+            per_batch = _stats(ends, [tgt_len[idx], src_len[idx], np.ones_like(idx)])
+            for total_of, part in zip(sums, per_batch, strict=True):
+                total_of[lo:hi] = part
+            prints[lo:hi] = _stats(ends, [id_fingerprints(ids)])[0]
+            kept = position_of[lo:hi] >= 0
+            if kept.any():
+                sizes = per_batch[2][kept]
+                own = idx[np.repeat(kept, per_batch[2])]  # a copy: idx itself is let go
+                own = own.astype(np.int32) if own.size and own.max() < 2**31 else own
+                for pos, part in zip(
+                    position_of[lo:hi][kept].tolist(),
+                    np.split(own, np.cumsum(sizes)[:-1]),
+                    strict=True,
+                ):
+                    mine[pos] = (g, part)
         return EpochPlan(
             epoch,
-            ntokens=by_batch[0][perm],
-            src_ntokens=by_batch[1][perm],
-            samples=by_batch[2][perm],
-            fingerprints=by_batch[3][perm],
+            ntokens=sums[0][perm],
+            src_ntokens=sums[1][perm],
+            samples=sums[2][perm],
+            fingerprints=prints[perm],
             mine=mine,
         )
 
