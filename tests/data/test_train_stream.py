@@ -131,3 +131,25 @@ def test_direction_counts_and_synthetic_data(small_data) -> None:
             mine = [_ids(b) for b in s.next_update().mine]
             assert mine == [_ids(b) for b in ref[4 * u + 2 * d : 4 * u + 2 * d + 2]]
     assert streams[0].direction_counts() is None
+
+
+def test_next_epoch_is_built_ahead_on_a_thread(small_data) -> None:
+    """The step never builds a plan after the first: epoch e + 1 is built on the builder
+    thread while epoch e is read."""
+    import threading
+
+    cfg = _cfg(small_data[0], 1)
+    stream = TrainStream(cfg, 2, 0)
+    built = []
+    plan_of = stream.source.epoch_plan
+
+    def recording(epoch, keep):
+        built.append((epoch, threading.current_thread() is threading.main_thread()))
+        return plan_of(epoch, keep)
+
+    stream.source.epoch_plan = recording
+    while stream.epoch < 3:
+        stream.next_update()
+    assert built[0] == (0, True)
+    assert [e for e, _ in built[1:4]] == [1, 2, 3]  # (and epoch 4's may have started)
+    assert not any(on_main for _, on_main in built[1:])
