@@ -6,6 +6,8 @@ replica with all the micro-batches computes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_branchnorm import checkpoint as ckpt
@@ -68,3 +70,23 @@ def test_data_parallel_update_equals_one_replica(dp2_runs, fault_harness):
         assert dp[s]["lr"] == one[s]["lr"] and dp[s]["alpha"] == one[s]["alpha"]
         for key in ("loss", "nll_loss", "grad_norm"):
             assert dp[s][key] == pytest.approx(one[s][key], rel=1e-4), (s, key)
+
+
+def test_each_replica_builds_only_its_share(dp2_runs):
+    """Issue 29: each of the 4 ranks (2 stages x 2 replicas) builds the samples of its own
+    replica's batches only; the two replicas of a stage read disjoint halves of the epoch."""
+    out, _ = dp2_runs
+    reads: dict[tuple[int, int], tuple[int, int]] = {}
+    for rank in range(DP_WORLD):
+        log = (out / "restart_logs" / f"rank{rank}.log").read_text()
+        m = re.search(
+            rf"rank {rank} \(stage (\d)\): data: epoch \d+ holds (\d+) batches, this rank "
+            r"reads (\d+) \(data-parallel rank (\d) of 2",
+            log,
+        )
+        assert m, log[-2000:]
+        stage, total, mine, replica = map(int, m.groups())
+        reads[(stage, replica)] = (total, mine)
+    for stage in (0, 1):
+        (total, a), (total_b, b) = reads[(stage, 0)], reads[(stage, 1)]
+        assert total == total_b and a + b == total and abs(a - b) <= 2, reads

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,22 @@ def test_four_stages_sigusr1_and_exact_resume(multistage):
     ref, got = _valid(out / "s4_resume_ref"), _valid(out / "s4_usr1")
     assert sorted(ref) == [5, 10] and all(math.isfinite(v) for v in ref.values())
     assert got[10] == ref[10]
+
+
+def test_middle_stages_build_no_batches(multistage):
+    """Issue 29: of 4 stages only the first and last build the epoch's plan (DeepSpeed loads
+    micro-batches there only); the middle ones build nothing, and the restart resumed them."""
+    out, _ = multistage
+    for rank in range(4):
+        log = (out / "restart_logs" / f"rank{rank}.log").read_text()
+        if rank in (1, 2):
+            assert f"rank {rank} (stage {rank}): data: this stage reads no batches" in log
+        else:
+            assert re.search(
+                rf"rank {rank} \(stage {rank}\): data: epoch \d+ holds (\d+) batches, "
+                r"this rank reads \1 \(data-parallel rank 0 of 1",
+                log,
+            ), log[-2000:]
 
 
 def _valid(run) -> dict[int, float]:
