@@ -189,7 +189,8 @@ def run_preprocess(
     log_path: Path,
 ) -> dict:
     """Run ``checkout``'s tools/preprocess_data.py on ``corpus``; wall time, sampled peak RSS
-    of its process tree and, with ``stats``, its ``--stats`` figures."""
+    of its process tree, when each of its first output lines came (a rough phase split for a
+    tool without ``--stats``) and, with ``stats``, its ``--stats`` figures."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         sys.executable, str(checkout / "tools" / "preprocess_data.py"), "--format", "opus100",
@@ -200,24 +201,38 @@ def run_preprocess(
     stats_file.unlink(missing_ok=True)
     if stats:
         cmd += ["--stats", str(stats_file)]
+    lines: list[tuple[float, str]] = []
     t0 = time.perf_counter()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(
-            cmd, env=checkout_env(checkout), cwd=checkout, stdout=logf, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        with TreeSampler(proc.pid) as sampler:
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise RuntimeError(f"preprocess_data.py timed out after {timeout:.0f} s") from None
+    proc = subprocess.Popen(
+        cmd, env=checkout_env(checkout), cwd=checkout, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - t0, line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with TreeSampler(proc.pid) as sampler:
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"preprocess_data.py timed out after {timeout:.0f} s") from None
     wall = time.perf_counter() - t0
+    reader.join(timeout=5)
+    log_path.write_text("".join(f"[{t:7.1f} s] {x}\n" for t, x in lines))
     if rc:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"preprocess_data.py exited {rc}: {tail}")
-    res: dict = {"wall_s": wall, "sampled_peak_rss_mb": sampler.peak_mb, "samples": sampler.samples}
+    res: dict = {
+        "wall_s": wall,
+        "sampled_peak_rss_mb": sampler.peak_mb,
+        "samples": sampler.samples,
+        "output_lines_s": [[round(t, 1), x[:100]] for t, x in lines[:20]],
+    }
     if stats and stats_file.exists():
         res["stats"] = json.loads(stats_file.read_text())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -349,6 +364,26 @@ def projection(rows: dict[str, dict], target: int = OPUS100_PAIRS) -> dict:
     return out
 
 
+def train_projection(train: dict[str, dict], target: int = OPUS100_PAIRS) -> dict:
+    """Per layout, a linear fit of the largest rank process's peak RSS against N (from the
+    runs' names, ``N/layout``) and its value at ``target`` pairs."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for name, t in train.items():
+        if "error" not in t:
+            n, layout = name.split("/", 1)
+            peak = max((r["peak_rss_mb"] or 0.0 for r in t["per_rank"].values()), default=0.0)
+            points.setdefault(layout, []).append((int(n), peak))
+    out = {}
+    for layout, pts in points.items():
+        fit = linear_fit([float(n) for n, _ in pts], [p for _, p in pts])
+        if fit:
+            slope, icpt = fit
+            out[layout] = {
+                "per_million": slope * 1e6, "intercept": icpt, "at_target": icpt + slope * target
+            }  # fmt: skip
+    return out
+
+
 def measure(
     work: Path,
     checkout: Path,
@@ -412,6 +447,7 @@ def measure(
                 res["train"][name] = t
         shutil.rmtree(data_dir, ignore_errors=True)
     res["projection"] = projection(res["preprocess"])
+    res["train_projection"] = train_projection(res["train"])
     return res
 
 
@@ -435,6 +471,10 @@ def format_table(res: dict) -> str:
             for p in PHASES
             if p in phases
         )
+        if not text:  # no --stats: when the tool's output lines came
+            text = "lines at " + ", ".join(
+                f"{t:.0f} s '{(x.split() or [''])[0]}'" for t, x in r.get("output_lines_s", [])
+            )
         if "stats" in r:
             text += f"; tool's own peak {r['stats'].get('peak_rss_mb', 0):,.0f} MB"
         out.append(
@@ -478,4 +518,10 @@ def format_table(res: dict) -> str:
                 f"{name:<26} {'all':>5} launch to first update {t['launch_to_first_update_s']:.1f} s,"
                 f" sum of ranks' peak {t['peak_rss_mb_all_ranks']:,.0f} MB (launcher included)"
             )
+    for layout, f in res.get("train_projection", {}).items():
+        out.append(
+            f"linear fit, largest rank's peak at {layout}: {f['per_million']:,.0f} MB per 1M pairs "
+            f"(+ {f['intercept']:,.0f} MB); at {proj.get('target_pairs', OPUS100_PAIRS) / 1e6:.0f}M"
+            f" pairs: {f['at_target'] / 1024:,.1f} GB per rank"
+        )
     return "\n".join(out)

@@ -12,6 +12,7 @@ from megatron_branchnorm.experiments.bench_data import (
     format_table,
     linear_fit,
     projection,
+    train_projection,
 )
 
 ALLOC = """
@@ -84,6 +85,10 @@ def test_table_has_every_row() -> None:
         },
         "projection": projection({}),
     }  # fmt: skip
+    two = {**res["train"], "1250000/2dp_x_1stage": res["train"]["250000/2dp_x_1stage"]}
+    res["train_projection"] = train_projection(two, target=2_250_000)
+    assert res["train_projection"]["2dp_x_1stage"]["at_target"] == pytest.approx(450.0)
     text = format_table(res)
     assert "read_clean 5 / 900" in text and "RuntimeError: boom" in text
     assert text.count("250000/2dp_x_1stage") == 3 and "RuntimeError: no" in text
+    assert "largest rank's peak at 2dp_x_1stage" in text
