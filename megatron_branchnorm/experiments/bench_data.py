@@ -471,9 +471,10 @@ def format_table(res: dict) -> str:
             for p in PHASES
             if p in phases
         )
-        if not text:  # no --stats: when the tool's output lines came
+        lines = r.get("output_lines_s", [])
+        if not text and len({round(t) for t, _ in lines}) > 1:  # no --stats: the tool's lines
             text = "lines at " + ", ".join(
-                f"{t:.0f} s '{(x.split() or [''])[0]}'" for t, x in r.get("output_lines_s", [])
+                f"{t:.0f} s '{(x.split() or [''])[0]}'" for t, x in lines
             )
         if "stats" in r:
             text += f"; tool's own peak {r['stats'].get('peak_rss_mb', 0):,.0f} MB"
