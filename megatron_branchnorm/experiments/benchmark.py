@@ -659,9 +659,8 @@ def bench_data(a: argparse.Namespace, work: Path) -> dict:
     else:
         train = [min(pairs)] if quick else list(bd.DEFAULT_TRAIN_PAIRS)
     checkout = Path(a.checkout) if a.checkout else CHECKOUT
-    return bd.measure(
-        work, checkout, pairs, train, a.data_vocab_size, a.data_workers, a.timeout, log=log
-    )
+    vocab = a.data_vocab_size or (16000 if quick else 64000)
+    return bd.measure(work, checkout, pairs, train, vocab, a.data_workers, a.timeout, log=log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,7 +761,12 @@ def main() -> int:
         help="data: sizes whose DATA_DIR is also trained on at 2 ranks and 4 stages (default "
         "1000000; --quick the smallest; '' none)",
     )
-    p.add_argument("--data-vocab-size", type=int, default=64000, help="data: --vocab-size")
+    p.add_argument(
+        "--data-vocab-size",
+        type=int,
+        default=None,
+        help="data: --vocab-size (default 64000; --quick 16000: a small corpus has too few pieces)",
+    )
     p.add_argument("--data-workers", type=int, default=2, help="data: --workers")
     p.add_argument(
         "--checkout",
