@@ -305,6 +305,11 @@ def run_train(
             time.sleep(0.05)
     reader.join(timeout=5)
     (save_dir / "launcher.log").write_text("".join(lines))
+    # DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer per rank in /dev/shm
+    # (~66 MB each), named after the port: remove this run's (as benchmark.train_run does).
+    port = cmd[cmd.index("--master_port") + 1]
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        leftover.unlink(missing_ok=True)
     if proc.returncode or first is None:
         tail = [x.strip() for x in lines[-4:]]
         raise RuntimeError(f"training exited {proc.returncode} before an update: {tail}")
