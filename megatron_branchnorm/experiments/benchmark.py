@@ -3,7 +3,7 @@
     python tools/benchmark.py --quick                       # ~ a few minutes on 2 cores
     python tools/benchmark.py --sections model,trainstep --rounds 5 --json out.json
 
-Sections (``--sections``, comma-separated; default all but ``data``, which takes ~25 minutes):
+Sections (``--sections``, comma-separated; default all but ``data``, which takes 10-20 minutes):
 
 - ``model``: the model step (forward, the same fp32 label-smoothed loss, backward, a plain
   torch.optim.Adam step; one loop shared by every implementation, bench_models.py) for
