@@ -85,7 +85,7 @@ FILTERS = ("bad_utf8", "empty", "too_long")
 CHUNK_LINES = 2000
 """Input lines per cleaning task; cleaned lines (at least) per encoding task."""
 IN_FLIGHT_PER_WORKER = 4
-SAMPLE_BLOCK_LINES = 1 << 16
+SAMPLE_BLOCK_LINES = 4096
 SPILL_DIR = "spill"
 PHASES = ("read_clean", "spm_sample", "spm_train", "encode_write", "finish")
 """The phases of a run, in order, as ``--stats`` names them."""
@@ -213,7 +213,10 @@ def _workers(
 
 
 def _in_order(
-    fn: Callable[[Any], Any], tasks: Iterable[tuple[Any, Any]], pool: mp.pool.Pool | None
+    fn: Callable[[Any], Any],
+    tasks: Iterable[tuple[Any, Any]],
+    pool: mp.pool.Pool | None,
+    workers: int,
 ) -> Iterator[tuple[Any, Any]]:
     """``(meta, fn(arg))`` for each ``(meta, arg)`` of ``tasks``, in order; ``arg`` None is a
     marker passed through as ``(meta, None)``. With a pool at most a few tasks per worker are
@@ -222,7 +225,7 @@ def _in_order(
         for meta, arg in tasks:
             yield meta, None if arg is None else fn(arg)
         return
-    window = IN_FLIGHT_PER_WORKER * pool._processes  # noqa: SLF001 (the pool's size)
+    window = IN_FLIGHT_PER_WORKER * workers
     pending: deque = deque()
     for meta, arg in tasks:
         pending.append((meta, None if arg is None else pool.apply_async(fn, (arg,))))
@@ -416,7 +419,7 @@ def _read_clean(
                 for sf, labels in sources:
                     tasks = _chunk_tasks(sf, labels, mode)
                     other_error: DataError | None = None
-                    for meta, res in _in_order(_clean_chunk, tasks, pool):
+                    for meta, res in _in_order(_clean_chunk, tasks, pool, opts.workers):
                         kind, pf, of, p_at, o_at, nbytes = meta
                         if kind == "end":
                             if other_error is not None:
@@ -491,14 +494,21 @@ def _pick_lines(path: Path, wanted: np.ndarray, out: BinaryIO) -> None:
 
 
 def _write_sample(
-    pools: dict[str, list[tuple[Path, int]]], opts: spm_lib.SpmOptions, path: Path
+    pools: dict[str, list[tuple[Path, int]]],
+    opts: spm_lib.SpmOptions,
+    path: Path,
+    progress: bool | None = False,
 ) -> dict[str, int]:
     """Write SentencePiece's training mix (:func:`spm.sample_plan`) to ``path``, one sentence
     a line, reading only the chosen lines of each language's spill files (a language's text is
     the concatenation of its files). Returns how many sentences came from each language."""
     sizes = {code: sum(n for _, n in files) for code, files in pools.items()}
     plan = spm_lib.sample_plan(sizes, opts)
-    with open(path, "wb") as out:
+    total = sum(idx.size for idx in plan.values())
+    with (
+        open(path, "wb") as out,
+        _bar(progress, total=total, unit="sent", desc="spm sample") as bar,
+    ):
         for code, idx in plan.items():
             # Runs of increasing indices: whole passes over a small language, then the sample.
             for run in np.split(idx, np.flatnonzero(np.diff(idx) <= 0) + 1):
@@ -507,6 +517,7 @@ def _write_sample(
                     lo, hi = np.searchsorted(run, [base, base + n])
                     if hi > lo:
                         _pick_lines(file, run[lo:hi] - base, out)
+                        bar.update(int(hi - lo))
                     base += n
     return {code: int(idx.size) for code, idx in plan.items()}
 
@@ -610,7 +621,7 @@ def _encode_all(
         with _workers(opts.workers, stats, _init_worker, (model_file,)) as pool:
             if pool is None:
                 spm_lib.init_worker(model_file, pool_worker=False)
-            for (kind, key, _), res in _in_order(_encode_span, tasks(), pool):
+            for (kind, key, _), res in _in_order(_encode_span, tasks(), pool, opts.workers):
                 lang, split = key
                 if kind == "start":
                     pair = pair_name(pivot, lang)
@@ -759,7 +770,7 @@ def _build(
             pools[pivot].append((st.spill[0], st.kept))
             pools[lang].append((st.spill[1], st.kept))
         sample = tmp / SPILL_DIR / "spm_sample"
-        used = _write_sample(pools, opts.spm, sample)
+        used = _write_sample(pools, opts.spm, sample, opts.progress)
     with stats.phase("spm_train"):
         count = sum(used.values())
         if _show_progress(opts.progress):
