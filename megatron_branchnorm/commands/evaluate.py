@@ -5,15 +5,21 @@ against the raw references, averages X->En / En->X / all, a table on stdout.
         --json results/test.json --hyp-dir results/hyp
     python tools/evaluate.py --model exports/multiun --data data/multiun --split test --lowercase
 
-Cased sacreBLEU by default (OPUS-100); --lowercase for MultiUN; --tokenize picks sacreBLEU's
-tokenizer (default: by target language: zh; ja-mecab or char; 13a otherwise); --bleu tokenized
-[--compound-split] is the tokenized BLEU of the WMT14 En-Fr and WMT17 En-De papers. The
-signature of every score is printed.
+By default BLEU is computed as the BranchNorm paper reports it for the task (--task; auto:
+the task the DATA_DIR looks like, megatron_branchnorm/paper.py): tokenized multi-bleu style
+with compound splitting for WMT17 En-De (a DATA_DIR of en-de alone), tokenized for WMT14 En-Fr
+(en-fr), tokenized and lowercased for IWSLT14 De-En (de-en), case-insensitive sacreBLEU for
+MultiUN (its six languages), cased sacreBLEU for OPUS-100 and any other corpus. The first line
+printed (and "scoring" in --json) says which and why. Any of --bleu, --lowercase, --tokenize,
+--compound-split sets the scoring by hand instead: --tokenize picks sacreBLEU's tokenizer
+(default: by target language: zh; ja-mecab or char; 13a otherwise). The signature of every
+score is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -35,12 +41,20 @@ SPLITS = ("dev", "test")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron_branchnorm.inference.evaluate import add_scoring_args
     from megatron_branchnorm.inference.translate import add_search_args
+    from megatron_branchnorm.paper import TASKS
 
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="export directory")
     p.add_argument("--data", required=True, help="preprocessed DATA_DIR (manifest.json)")
     p.add_argument("--split", default="test", choices=SPLITS, help="dev or test (default test)")
     add_scoring_args(p)
+    p.add_argument(
+        "--task",
+        default="auto",
+        choices=("auto", "none", *TASKS),
+        help="score as the paper does for this task (default auto: from the DATA_DIR; none: "
+        "cased sacreBLEU); ignored when a scoring flag is given",
+    )
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
@@ -57,8 +71,8 @@ def _evaluate(argv: list[str] | None) -> int:
 
     from megatron_branchnorm.inference.evaluate import (
         EvaluationError,
-        Scoring,
         check_outputs,
+        choose_scoring,
         evaluate,
         format_table,
         pivot_language,
@@ -74,7 +88,7 @@ def _evaluate(argv: list[str] | None) -> int:
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
     )
     opts.check()
-    scoring = Scoring.from_args(args)
+    scoring, chosen = choose_scoring(args, args.data)
     scoring.check()  # before any translation: an unknown or missing tokenizer is one line
     wanted = None
     if args.directions is not None:
@@ -107,6 +121,7 @@ def _evaluate(argv: list[str] | None) -> int:
         progress,
         scoring,
     )
+    report["scoring"] = {**chosen, **dataclasses.asdict(scoring)}
     if args.json:
         write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     write_stdout(format_table(report) + "\n")

@@ -4,19 +4,31 @@ paper's Tables 1-3: a row per residual scheme, a column per depth).
     python tools/sweep.py submit --launcher slurm/opus100_12L.sh --schemes postln,deepnorm,branchnorm \\
         --depths 6,18,50 --out runs/sweep_wmt17 --extra "data.dataset=data/wmt17"
     python tools/sweep.py table runs/sweep_wmt17 --markdown runs/sweep_wmt17/table.md
+    python tools/sweep.py submit --task wmt17_en_de --schemes postln,deepnorm,branchnorm \\
+        --depths 6,18,50 --out runs/wmt17 --extra "data.dataset=data/wmt17_en_de"
+    python tools/sweep.py table runs/wmt17          # the paper's Table 1 column beside ours
 
 ``submit`` sends one job per cell through an sbatch launcher of slurm/ (its own SAVE_DIR,
 ``model.residual`` and N-N layers as overrides; each job requeues and resumes on its own),
 and writes OUT/sweep.json. A set of jobs rather than a job array: each cell keeps its own job
 id, log and requeue, and a failed cell is resubmitted alone (``submit`` again skips the cells
 already in OUT/sweep.json; ``--resubmit CELL,...`` sends those again, e.g. after a failure).
+With ``--task`` (one of the paper's tasks, megatron_branchnorm/paper.py) each cell runs the
+task's recipe config of its depth (``CONFIG=<task>_<N>L``: its topology and batch) through
+slurm/recipe.sh unless ``--launcher`` names another, and sweep.json records the task.
 
 ``table`` reads each cell's run: the best validation BLEU of the companion
 (``valid_bleu.jsonl``, tools/watch_bleu.py), or with ``--metric valid_loss`` the last
 validation loss; "diverged" where the run diverged, decided from its metrics.jsonl alone: a
 training loss that is not finite, or a run that stopped on ``train.max_consecutive_skips``
-non-finite updates in a row (its last row is a skipped update). ``--paper FILE`` puts published
-figures (JSON ``{"scheme": {"depth": value}}``) beside ours; none ship with the project.
+non-finite updates in a row (its last row is a skipped update).
+
+The paper's published BLEU ship with the package (megatron_branchnorm/paper.py): a sweep
+submitted with ``--task`` shows its task's column beside each depth of ours; ``--paper`` alone
+does the same (an error when the sweep has no task), ``--paper TASK`` names a task, ``--paper
+FILE`` reads figures from JSON ``{"scheme": {"depth": value}}``, ``--no-paper`` leaves them out.
+A published cell prints as the paper prints it: ``28.1``, ``29.x`` where its decimals were lost
+(never a number), ``diverged``.
 """
 
 from __future__ import annotations
@@ -30,9 +42,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.config import CONFIG_DIR
+from megatron_branchnorm.paper import (
+    TASKS,
+    PaperError,
+    format_cell,
+    get_task,
+    published_rows,
+    read_published,
+)
 from megatron_branchnorm.training.metrics import read_metrics, training_rows, valid_bleus
 
 SWEEP_FILE = "sweep.json"
+RECIPE_LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "recipe.sh"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
 
 
@@ -63,14 +85,22 @@ def submit(
     sbatch: list[str],
     env: dict[str, str] | None = None,
     resubmit: tuple[str, ...] = (),
+    task: str | None = None,
 ) -> dict[str, Any]:
     """Submit every cell not in sweep.json yet, and the cells named in ``resubmit``; returns
-    sweep.json's data (written after each submission, so an interrupted submit loses none)."""
+    sweep.json's data (written after each submission, so an interrupted submit loses none).
+    With ``task`` each cell's job runs the recipe config ``<task>_<depth>L``."""
     if not launcher.is_file():
         raise SweepError(f"--launcher {launcher}: no such file")
+    if task is not None:
+        recipe_configs(task, depths)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SWEEP_FILE
     sweep = json.loads(path.read_text()) if path.is_file() else {"cells": {}}
+    if task is not None and sweep.get("task", task) != task:
+        raise SweepError(f"--task {task}: {path} is a sweep of task {sweep['task']}")
+    if task is not None:
+        sweep["task"] = task
     for scheme in schemes:
         for depth in depths:
             name = cell_name(scheme, depth)
@@ -82,6 +112,8 @@ def submit(
             job_env = dict(os.environ if env is None else env)
             job_env["SAVE_DIR"] = str(save_dir.resolve())
             job_env["EXTRA_ARGS"] = " ".join(cell_overrides(scheme, depth, extra))
+            if task is not None:
+                job_env["CONFIG"] = get_task(task).config_name(depth)
             cmd = [
                 "sbatch",
                 "--parsable",
@@ -102,11 +134,26 @@ def submit(
                 "job_id": job,
                 "launcher": str(launcher),
                 "overrides": cell_overrides(scheme, depth, extra),
+                **({"config": job_env["CONFIG"]} if task is not None else {}),
             }
             path.write_text(json.dumps(sweep, indent=1) + "\n")
             print(f"{name}: job {job}", flush=True)
     path.write_text(json.dumps(sweep, indent=1) + "\n")
     return sweep
+
+
+def recipe_configs(task: str, depths: list[int]) -> list[str]:
+    """The shipped recipe configs of ``task`` at ``depths``; a depth without one is an error."""
+    try:
+        t = get_task(task)
+    except PaperError as exc:
+        raise SweepError(f"--task: {exc}") from None
+    names = [t.config_name(d) for d in depths]
+    missing = [n for n in names if not (CONFIG_DIR / f"{n}.yaml").is_file()]
+    if missing:
+        known = ", ".join(str(d) for d in t.depths)
+        raise SweepError(f"--task {task}: no recipe config {', '.join(missing)} (depths: {known})")
+    return names
 
 
 def diverged(save_dir: Path) -> bool:
@@ -147,16 +194,28 @@ def collect(out: Path, metric: str) -> dict[str, Any]:
     schemes = [s for s in SCHEMES if any(c["scheme"] == s for c in cells.values())]
     schemes += sorted({c["scheme"] for c in cells.values()} - set(schemes))
     depths = sorted({int(c["depth"]) for c in cells.values()})
-    return {"metric": metric, "schemes": schemes, "depths": depths, "cells": cells}
+    return {
+        "metric": metric,
+        "task": sweep.get("task"),
+        "schemes": schemes,
+        "depths": depths,
+        "cells": cells,
+    }
 
 
-def format_table(result: dict[str, Any], paper: dict[str, dict[str, float]] | None = None) -> str:
-    """Markdown: a row per scheme, a column per depth; ``ours (paper)`` with ``paper``."""
+def format_table(
+    result: dict[str, Any], paper: dict[str, dict[str, Any]] | None = None, source: str = ""
+) -> str:
+    """Markdown in the paper's layout: a row per scheme, a column per depth; with ``paper``
+    (``{"scheme": {"depth": cell}}``) each depth's column of ours is followed by the published
+    one, and a last line names ``source``."""
     digits = 2 if result["metric"] == "valid_bleu" else 3
-    head = f"| {result['metric']} | " + " | ".join(f"{d}L-{d}L" for d in result["depths"]) + " |"
-    lines = [head, "| --- |" + " ---: |" * len(result["depths"])]
+    head = [result["metric"]]
+    for d in result["depths"]:
+        head += [f"{d}L-{d}L"] + (["paper"] if paper is not None else [])
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for scheme in result["schemes"]:
-        row = []
+        row = [scheme]
         for depth in result["depths"]:
             cell = result["cells"].get(cell_name(scheme, depth))
             if cell is None:
@@ -165,19 +224,66 @@ def format_table(result: dict[str, Any], paper: dict[str, dict[str, float]] | No
                 text = f"{cell['value']:.{digits}f}"
             else:
                 text = cell["status"]
-            published = (paper or {}).get(scheme, {}).get(str(depth))
-            if published is not None:
-                text = f"{text} ({published})"
             row.append(text)
-        lines.append(f"| {scheme} | " + " | ".join(row) + " |")
+            if paper is not None:
+                row.append(format_cell_or_blank(paper.get(scheme, {}).get(str(depth))))
+        lines.append("| " + " | ".join(row) + " |")
+    if paper is not None and source:
+        lines += ["", source]
     return "\n".join(lines)
+
+
+def format_cell_or_blank(value: Any) -> str:
+    """A published cell as printed, or "" where the paper has none."""
+    return "" if value is None else format_cell(value)
+
+
+def paper_figures(
+    choice: str | None, task: str | None
+) -> tuple[dict[str, dict[str, str]] | None, str]:
+    """(published figures, a line naming their source) for ``table``: ``choice`` is None (the
+    sweep's task when it has one), "" (``--paper`` alone: the sweep's task), a task name or a
+    JSON file; "-" (``--no-paper``) is none."""
+    if choice == "-" or (choice is None and task is None):
+        return None, ""
+    name = choice or task
+    if name is None:
+        raise SweepError(
+            f"--paper: the sweep has no task (submit --task ...): name one "
+            f"({', '.join(TASKS)}) or a JSON file"
+        )
+    if name in TASKS:
+        t = TASKS[name]
+        rows = ", ".join(f"{s} = {r}" for s, r in t.row_names.items())
+        where = f"{t.table} of the BranchNorm paper" if t.table else "the BranchNorm paper"
+        source = (
+            f"paper: {t.title}, {where}, {t.scoring} ({rows}); x = a digit lost in the only "
+            "copy available (megatron_branchnorm/paper.py)"
+        )
+        return published_rows(name), source
+    if not Path(name).is_file():
+        raise SweepError(f"--paper {name}: neither a task ({', '.join(TASKS)}) nor a file")
+    try:
+        return read_published(name), f"paper: {name}"
+    except PaperError as exc:
+        raise SweepError(f"--paper {exc}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", help="submit one job per (scheme, depth)")
-    s.add_argument("--launcher", required=True, help="an sbatch launcher of slurm/")
+    s.add_argument(
+        "--launcher",
+        default=None,
+        help="an sbatch launcher of slurm/ (default with --task: slurm/recipe.sh)",
+    )
+    s.add_argument(
+        "--task",
+        default=None,
+        choices=[t for t in TASKS if TASKS[t].directions],
+        help="one of the paper's bilingual tasks: each cell runs its recipe <task>_<N>L",
+    )
     s.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated")
     s.add_argument("--depths", required=True, help="comma-separated N of N-N models")
     s.add_argument("--out", required=True, help="the sweep's directory (one subdirectory a cell)")
@@ -187,7 +293,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t = sub.add_parser("table", help="collect the cells' results into one table")
     t.add_argument("out", help="the sweep's directory")
     t.add_argument("--metric", choices=("valid_bleu", "valid_loss"), default="valid_bleu")
-    t.add_argument("--paper", default=None, help='published figures: {"scheme": {"depth": x}}')
+    t.add_argument(
+        "--paper",
+        nargs="?",
+        const="",
+        default=None,
+        help="the paper's figures beside ours: alone, the sweep's task; or a task name "
+        f'({", ".join(TASKS)}); or a JSON file {{"scheme": {{"depth": x}}}}',
+    )
+    t.add_argument(
+        "--no-paper", dest="paper", action="store_const", const="-", help="no published column"
+    )
     t.add_argument("--markdown", default=None, help="also write the table here")
     t.add_argument("--json", default=None, help="also write every cell's result here")
     return p.parse_args(argv)
@@ -212,24 +328,22 @@ def main(argv: list[str] | None = None) -> int:
             if unknown or not schemes:
                 raise SweepError(f"--schemes: unknown {', '.join(unknown)} ({', '.join(SCHEMES)})")
             depths = _int_list(args.depths, "--depths")
+            if args.launcher is None and args.task is None:
+                raise SweepError("--launcher: required without --task")
             submit(
-                Path(args.launcher),
+                Path(args.launcher) if args.launcher else RECIPE_LAUNCHER,
                 schemes,
                 depths,
                 Path(args.out),
                 args.extra.split(),
                 args.sbatch.split(),
                 resubmit=tuple(x.strip() for x in args.resubmit.split(",") if x.strip()),
+                task=args.task,
             )
             return 0
-        paper = None
-        if args.paper:
-            try:
-                paper = json.loads(Path(args.paper).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise SweepError(f"--paper {args.paper}: {exc}") from None
         result = collect(Path(args.out), args.metric)
-        table = format_table(result, paper)
+        paper, source = paper_figures(args.paper, result["task"])
+        table = format_table(result, paper, source)
         print(table)
         if args.markdown:
             Path(args.markdown).write_text(table + "\n", encoding="utf-8")

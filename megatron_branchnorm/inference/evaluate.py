@@ -163,8 +163,16 @@ class Scoring:
 
     @classmethod
     def from_args(cls, args) -> Scoring:
-        """From the flags :func:`add_scoring_args` adds."""
-        return cls(args.bleu, args.tokenize, args.lowercase, args.compound_split)
+        """From the flags :func:`add_scoring_args` adds (sacreBLEU when --bleu is not given)."""
+        return cls(args.bleu or "sacrebleu", args.tokenize, args.lowercase, args.compound_split)
+
+    @classmethod
+    def for_task(cls, task: str) -> Scoring:
+        """The paper's scoring of one of its tasks (megatron_branchnorm/paper.py)."""
+        from megatron_branchnorm.paper import get_task
+
+        t = get_task(task)
+        return cls(t.bleu, None, t.lowercase, t.compound_split)
 
     def check(self) -> None:
         """A one-line EvaluationError for an unknown or unavailable choice."""
@@ -186,15 +194,44 @@ class Scoring:
                 ) from None
 
 
+def scoring_flags_given(args) -> bool:
+    """Whether any flag of :func:`add_scoring_args` that chooses the BLEU was given."""
+    return bool(args.bleu or args.tokenize or args.lowercase or args.compound_split)
+
+
+def choose_scoring(args, data_dir: str | Path) -> tuple[Scoring, dict[str, Any]]:
+    """(scoring, how it was chosen) for evaluate.py: the flags when any is given; else the
+    paper's variant for ``--task``, or for the task the DATA_DIR looks like (``--task auto``,
+    the default: megatron_branchnorm.paper.task_of_data); else cased sacreBLEU."""
+    from megatron_branchnorm.paper import PaperError, get_task, task_of_data
+
+    if scoring_flags_given(args):
+        return Scoring.from_args(args), {"task": None, "chosen_by": "the scoring flags given"}
+    task, why = args.task, "--task"
+    if task == "auto":
+        task, why = task_of_data(_read_manifest(Path(data_dir)))
+    if task in (None, "none"):
+        return Scoring(), {"task": None, "chosen_by": f"default ({why})"}
+    try:
+        t = get_task(task)
+    except PaperError as exc:
+        raise EvaluationError(f"--task: {exc}") from None
+    return Scoring.for_task(task), {
+        "task": task,
+        "chosen_by": f"the paper's for {t.title} ({why}): {t.scoring_note}",
+    }
+
+
 def add_scoring_args(p) -> None:
     """The flags that choose how BLEU is computed (:class:`Scoring`)."""
     p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
     p.add_argument(
         "--bleu",
         choices=("sacrebleu", "tokenized"),
-        default="sacrebleu",
+        default=None,
         help="sacrebleu: on detokenised text (OPUS-100, MultiUN); tokenized: Moses-tokenised "
-        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De)",
+        "hypotheses and references, multi-bleu style (WMT14 En-Fr, WMT17 En-De); "
+        "default: sacrebleu, or in evaluate.py the paper's variant for --task",
     )
     p.add_argument(
         "--tokenize",
@@ -370,7 +407,10 @@ def evaluate(
 
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of a report: one row per direction, then the averages."""
-    rows = [f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer"]
+    rows = []
+    if "scoring" in report:
+        rows.append(f"scoring: {report['scoring']['chosen_by']}")
+    rows.append(f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer")
     for name, r in report["directions"].items():
         parts = dict(p.split(":", 1) for p in r["signature"].split("|") if ":" in p)
         tok = parts.get("tok", "?")

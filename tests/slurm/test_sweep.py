@@ -43,11 +43,17 @@ def test_table_layout_and_divergence(tmp_path):
     result = sweep.collect(tmp_path, "valid_loss")
     assert result["schemes"] == ["postln", "branchnorm"] and result["depths"] == [6, 18]
     paper = {"branchnorm": {"6": 28.1}}
-    assert sweep.format_table(result, paper).splitlines() == [
+    assert sweep.format_table(result).splitlines() == [
         "| valid_loss | 6L-6L | 18L-18L |",
         "| --- | ---: | ---: |",
         "| postln | 4.000 | diverged |",
-        "| branchnorm | 3.500 (28.1) | diverged |",
+        "| branchnorm | 3.500 | diverged |",
+    ]
+    assert sweep.format_table(result, paper).splitlines() == [
+        "| valid_loss | 6L-6L | paper | 18L-18L | paper |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        "| postln | 4.000 |  | diverged |  |",
+        "| branchnorm | 3.500 | 28.1 | diverged |  |",
     ]
     # by BLEU: the companion's best row; a run without one says so
     (tmp_path / "branchnorm_6L" / "run" / "valid_bleu.jsonl").write_text(
