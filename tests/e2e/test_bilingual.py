@@ -1,7 +1,8 @@
 """A tiny bilingual task end to end, as the paper's WMT17 En->De is run: plain parallel text
-with its own dev and test sets, preprocessed for the one direction en-de, trained, converted,
-and scored with the tokenized BLEU and compound splitting of the WMT papers, after training
-(evaluate.py) and during it (watch_bleu.py)."""
+with its own dev and test sets, preprocessed for the one direction en-de, trained with the
+task's recipe config (wmt17_en_de_6L, narrowed for the CPU), converted, and scored with the
+tokenized BLEU and compound splitting of the WMT papers, after training (evaluate.py, which
+picks that scoring for an en-de DATA_DIR by default) and during it (watch_bleu.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ TINY = [
     "train.save_interval=2",
     "train.eval_interval=2",
     "train.log_interval=1",
+    "train.micro_batches=2",
+    "train.patience=0",
+    "data.max_tokens=512",
+    "train.deepspeed_config=ds_configs/cpu_fp32.json",
 ]
 
 
@@ -61,20 +66,24 @@ def test_bilingual_en_de_end_to_end(tmp_path, capsys):
 
     save_dir = tmp_path / "run"
     train = [sys.executable, str(ROOT / "megatron_branchnorm" / "train.py"), "--config"]
-    train += ["tiny_cpu", *TINY, f"data.dataset={data}", f"train.save_dir={save_dir}"]
-    train += [f"model.vocab_size={manifest['vocab_size']}"]
+    train += ["wmt17_en_de_6L", *TINY, f"data.dataset={data}", f"train.save_dir={save_dir}"]
     proc = subprocess.run(train, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
-    bleu = ["--bleu", "tokenized", "--compound-split", "--max-sentences", "6", "--beam", "2"]
+    search = ["--max-sentences", "6", "--beam", "2"]
+    bleu = ["--bleu", "tokenized", "--compound-split", *search]
     assert watch_cmd.main(["--checkpoint", str(save_dir), *bleu]) == 0
     assert set(valid_bleus(save_dir)) == {2, 4}
     export = tmp_path / "export"
     assert convert_cmd.main(["--checkpoint", str(save_dir), "--output", str(export)]) == 0
     report = tmp_path / "test.json"
     ev = ["--model", str(export), "--data", str(data), "--split", "test", "--quiet"]
-    assert evaluate_cmd.main([*ev, *bleu, "--json", str(report)]) == 0
+    capsys.readouterr()
+    assert evaluate_cmd.main([*ev, *search, "--json", str(report)]) == 0  # the paper's scoring
+    assert capsys.readouterr().out.startswith("scoring: the paper's for WMT17 En-De")
     result = json.loads(report.read_text())
+    assert result["scoring"]["task"] == "wmt17_en_de"
+    assert (result["scoring"]["bleu"], result["scoring"]["compound_split"]) == ("tokenized", True)
     assert list(result["directions"]) == ["en-de"]
     assert result["directions"]["en-de"]["signature"].startswith("moses-tok:de|compound-split:yes|")
     assert result["directions"]["en-de"]["chrf"] > 0
