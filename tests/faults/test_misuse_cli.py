@@ -414,7 +414,11 @@ def test_evaluate_writes_json_and_hypotheses_whole(tools, monkeypatch, capsys, e
     argv = evaluate_argv(export, data, "--json", str(out_json), "--hyp-dir", str(hyp))
     code, out, err = call(tools, monkeypatch, capsys, "evaluate", argv)
     assert code == 0, err
-    assert set(json.loads(out_json.read_text(encoding="utf-8"))) == {"directions", "averages"}
+    assert set(json.loads(out_json.read_text(encoding="utf-8"))) == {
+        "directions",
+        "averages",
+        "scoring",
+    }
     assert len((hyp / "de-en.txt").read_text(encoding="utf-8").splitlines()) == 3
     assert sorted(p.name for p in hyp.iterdir()) == ["de-en.txt"]
     assert sorted(p.name for p in out_json.parent.iterdir()) == ["report.json"]
