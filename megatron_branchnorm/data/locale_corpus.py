@@ -23,17 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_branchnorm.cli import publish_dir, write_marker
 from megatron_branchnorm.data.corpora import LANG_RE, pair_name
 from megatron_branchnorm.data.errors import DataError
-from megatron_branchnorm.data.preprocess import check_output_dir, write_failure
+from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
 from megatron_branchnorm.data.text import clean, is_letterish
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale"
@@ -261,13 +258,7 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
             f"{opts.min_pairs} training pairs and non-empty dev and test (--min-pairs)"
         )
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:
-        raise write_failure(exc, out) from None
-    try:
+    with staged_output(out, CORPUS_TOOL, CORPUS_KIND, opts.overwrite, inputs) as tmp:
         base = tmp / "opus-100-corpus" / "v1.0" / "supervised"
         for lang, by_split in corpus.items():
             pair = pair_name("en", lang)
@@ -284,13 +275,4 @@ def build_locale_corpus(opts: LocaleCorpusOptions) -> dict:
         with open(tmp / "locale_corpus.json", "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, ensure_ascii=False)
             f.write("\n")
-        write_marker(tmp, CORPUS_TOOL, CORPUS_KIND)
-        check_output_dir(out, CORPUS_KIND, opts.overwrite, inputs)  # still ours to replace
-        publish_dir(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(exc, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary

@@ -162,6 +162,40 @@ def write_failure(exc: BaseException, out: Path, flag: str = "--output") -> Data
     return DataError(f"{flag} {out}: cannot write ({write_failure_reason(exc)})")
 
 
+@contextmanager
+def staged_output(
+    out: Path,
+    tool: str,
+    kind: str,
+    overwrite: bool,
+    inputs: list[tuple[str, str | Path | None]],
+    legacy: Callable[[Path], bool] | None = None,
+) -> Iterator[Path]:
+    """A hidden temporary directory beside ``out`` for a data tool to write into. When the
+    block ends, it gets the marker of ``kind`` and replaces ``out`` (checked again to be
+    ours to replace: nothing else appeared there meanwhile); when the block fails, it is
+    removed, an OSError becoming a DataError that names ``out``. So an interrupted tool never
+    leaves a directory that looks complete."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise write_failure(exc, out) from None
+    try:
+        yield tmp
+        write_marker(tmp, tool, kind)
+        check_output_dir(out, kind, overwrite, inputs, legacy)
+        publish_dir(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(exc, out) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker pools: results in input order, a bounded number of tasks in flight.
 
@@ -711,30 +745,15 @@ def _preprocess(opts: PreprocessOptions, stats: PhaseStats) -> dict:
     check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
     found = discover(opts.fmt, opts.input_dir, langs, opts.pivot)
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as exc:
-        raise write_failure(exc, out) from None
-    try:
+    with staged_output(
+        out, DATA_TOOL, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir
+    ) as tmp:
         manifest = _build(opts, langs, found, stats, tmp)
         with stats.phase("finish"):
             with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=2, ensure_ascii=False)
                 f.write("\n")
             shutil.rmtree(tmp / SPILL_DIR)
-            write_marker(tmp, DATA_TOOL, DATA_KIND)
-            # Still ours to replace (nothing else appeared there meanwhile).
-            check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
-            publish_dir(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(exc, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,11 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_branchnorm.cli import publish_dir, write_marker
 from megatron_branchnorm.data.corpora import pair_name
 from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.locale_corpus import CORPUS_KIND
-from megatron_branchnorm.data.preprocess import check_output_dir, write_failure
+from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
 
 CORPUS_TOOL = "make_opus_like_corpus"
 SUMMARY = "synthetic_corpus.json"
@@ -262,12 +259,6 @@ def write_opus100_like(
     sizes = train_sizes(total_pairs, n_pairs)
     out = Path(out_dir)
     check_output_dir(out, CORPUS_KIND, overwrite, [])
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:
-        raise write_failure(exc, out) from None
     summary = {
         "generator": CORPUS_TOOL,
         "seed": seed,
@@ -275,7 +266,7 @@ def write_opus100_like(
         "total_pairs": total_pairs,
         "pairs": {},
     }
-    try:
+    with staged_output(out, CORPUS_TOOL, CORPUS_KIND, overwrite, []) as tmp:
         en = make_vocab(PIVOT, vocab_words, seed)
         for index, (lang, size) in enumerate(zip(langs, sizes, strict=True)):
             src = make_vocab(lang, vocab_words, seed)
@@ -298,13 +289,4 @@ def write_opus100_like(
         with open(tmp / SUMMARY, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
-        write_marker(tmp, CORPUS_TOOL, CORPUS_KIND)
-        check_output_dir(out, CORPUS_KIND, overwrite, [])  # still ours to replace
-        publish_dir(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(exc, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

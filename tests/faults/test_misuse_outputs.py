@@ -11,6 +11,7 @@ lists each case with its test.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import importlib
@@ -524,15 +525,16 @@ def test_missing_input(tools, capsys, run, raw_corpus, fake_locale, tmp_path, to
 
 
 def test_unreadable_input_file(tools, capsys, raw_corpus, tmp_path, monkeypatch):
+    """A file that cannot be opened (root reads any file here, so opening it is refused)."""
     victim = next(raw_corpus.rglob("opus.de-en-train.de"))
-    real = Path.read_bytes
+    real = builtins.open
 
-    def read_bytes(self):
-        if self == victim:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return real(self)
+    def guarded_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file) == victim:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(builtins, "open", guarded_open)
     out = tmp_path / "out"
     code, _, err = call(
         tools, capsys, "preprocess_data", base_argv("preprocess_data", out, None, raw_corpus, None)
