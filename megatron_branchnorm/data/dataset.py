@@ -498,10 +498,11 @@ class BatchSampler:
             src_len, tgt_len = self.data.group_lengths(g)
             lo, hi = int(first[g]), int(first[g + 1])
             ids = idx + self.data.sample_offset(g)
-            per_batch = _stats(ends, [tgt_len[idx], src_len[idx], np.ones_like(idx)])
+            *per_batch, prints[lo:hi] = _stats(
+                ends, [tgt_len[idx], src_len[idx], np.ones_like(idx), id_fingerprints(ids)]
+            )
             for total_of, part in zip(sums, per_batch, strict=True):
                 total_of[lo:hi] = part
-            prints[lo:hi] = _stats(ends, [id_fingerprints(ids)])[0]
             kept = position_of[lo:hi] >= 0
             if kept.any():
                 sizes = per_batch[2][kept]

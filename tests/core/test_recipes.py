@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import subprocess
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ from megatron_branchnorm.paper import (
 )
 from megatron_branchnorm.partition import partition_plan
 from megatron_branchnorm.planner import GB, plan_run
-from tests.slurm.conftest import ROOT, apt_install
+from tests.slurm.conftest import ROOT
 
 PAPER_TOKENS = 128 * 4096
 RECIPES = {
@@ -94,12 +93,7 @@ def test_the_recipe_launcher():
     per_node = int(re.search(r"#SBATCH --ntasks-per-node=(\d+)", text).group(1))
     assert nodes * per_node == 32 and "#SBATCH --signal=USR1@600" in text
     assert text.rstrip().endswith("mb_launch") and "CONFIG=wmt17_en_de_6L" in text
-    if shutil.which("shellcheck") is None and apt_install(("shellcheck",)) is not None:
-        pytest.skip("shellcheck cannot be installed")
-    proc = subprocess.run(
-        ["shellcheck", "-x", "slurm/recipe.sh"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stdout
+    # shellcheck: tests/slurm/test_scripts.py checks recipe.sh with every launcher
 
 
 def test_the_launcher_wants_a_config(tmp_path):

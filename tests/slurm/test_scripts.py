@@ -18,7 +18,11 @@ from tests.slurm.conftest import ROOT, apt_install
 
 SLURM = ROOT / "slurm"
 LAUNCHERS = ["opus100_12L", "opus100_200L", "opus100_1000L", "multiun_1000L", "tiny_cpu"]
-SCRIPTS = [SLURM / f"{n}.sh" for n in LAUNCHERS] + [SLURM / "common.sh", SLURM / "watch_bleu.sh"]
+SCRIPTS = [SLURM / f"{n}.sh" for n in LAUNCHERS] + [
+    SLURM / "common.sh",
+    SLURM / "watch_bleu.sh",
+    SLURM / "recipe.sh",
+]
 
 
 def sbatch_options(text: str) -> dict[str, str]:
