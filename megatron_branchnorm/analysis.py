@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_branchnorm.data.text import clean
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.model import EncoderDecoder
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
@@ -37,7 +38,7 @@ from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 STACKS = ("encoder", "decoder")
 
 
-class AnalysisError(ValueError):
+class AnalysisError(UserError, ValueError):
     """Bad analysis input: a one-line message naming the file or option."""
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_branchnorm.errors import UserError
+
 MANIFEST = "checksums.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A missing, partial or corrupt checkpoint: the message names the file."""
 
 

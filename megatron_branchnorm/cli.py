@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
+from megatron_branchnorm.errors import UserError
+
 EXIT_BAD_INPUT = 2
 """Exit code of every entry point for bad input (a one-line error)."""
 EXIT_INTERRUPTED = 130
@@ -81,7 +83,7 @@ def run_main(
         return EXIT_BAD_INPUT
 
 
-class OutputError(ValueError):
+class OutputError(UserError, ValueError):
     """An output path that would overwrite an input or a directory we did not write."""
 
 
@@ -275,7 +277,7 @@ def is_same_file(a: str | Path, b: str | Path) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-class UsageError(ValueError):
+class UsageError(UserError, ValueError):
     """A bad command line (unknown flag, a number out of range): a one-line message."""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from megatron_branchnorm.cli import MAX_INT, quote
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -33,7 +34,7 @@ LAYERNORM_IMPLS = ("auto", "apex", "torch")
 ACTIVATIONS = ("relu", "gelu")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration: the message names the offending key."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.launch import LaunchError, deepspeed_command, logged_group
 from megatron_branchnorm.plotting import series
 from megatron_branchnorm.training.metrics import read_metrics
@@ -34,7 +35,7 @@ from megatron_branchnorm.training.metrics import read_metrics
 EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}
 
 
-class DemoError(RuntimeError):
+class DemoError(UserError, RuntimeError):
     """A demo step failed: a one-line message naming the step and its log."""
 
 

@@ -17,13 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_branchnorm.errors import UserError
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 """The directory that holds this package: in a checkout, the home of slurm/ (the rehearsals
 read the launchers there) and the research harness's working directory (the benchmark
 compares this tree with an earlier revision's)."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """A run could not be started (a one-line message)."""
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.errors import UserError
+
 DIVERGED = "diverged"
 """How the paper prints a run that diverged."""
 
@@ -230,7 +232,7 @@ EXTRA_ROWS: dict[str, dict[str, dict[int, str]]] = {
 """The paper's other rows (methods this project does not implement), for reference."""
 
 
-class PaperError(ValueError):
+class PaperError(UserError, ValueError):
     """An unknown task or an unreadable published-figures file: a one-line message."""
 
 

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 
 from megatron_branchnorm.cli import MAX_INT
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.partition import partition_plan, spec_entries
 from megatron_branchnorm.resources import find_ds_config
 
 GB = 1e9
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A bad planner input (a flag out of range, an unreadable size): a one-line message."""
 
 

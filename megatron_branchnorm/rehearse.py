@@ -54,6 +54,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.launch import CHECKOUT, free_port
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
@@ -92,7 +93,7 @@ SYNTHETIC_LANGS = ("copy", "reverse")
 TRANSLATE_INPUT = "the cat sits on the mat"
 
 
-class RehearsalError(ValueError):
+class RehearsalError(UserError, ValueError):
     """Bad input to the rehearsal (config, topology, work directory): a one-line message."""
 
 

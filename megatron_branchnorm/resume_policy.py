@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.errors import UserError
+
 FIXED: dict[str, str] = {
     "model.encoder_layers": "the architecture of the saved weights",
     "model.decoder_layers": "the architecture of the saved weights",
@@ -82,7 +84,7 @@ optimizer state), the DeepSpeed JSON's path (its precision and ZeRO stage are ch
 HISTORY = "config_history.jsonl"
 
 
-class ResumeConfigError(ValueError):
+class ResumeConfigError(UserError, ValueError):
     """A resume that changes a fixed key: the message names it."""
 
 

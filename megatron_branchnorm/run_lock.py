@@ -31,6 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
+from megatron_branchnorm.errors import UserError
+
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 60.0
 """How often the holder touches the lock."""
@@ -38,7 +40,7 @@ STALE_S = 15 * 60.0
 """A lock from another host untouched for this long belongs to a dead run."""
 
 
-class LockError(RuntimeError):
+class LockError(UserError, RuntimeError):
     """Another live run holds the save_dir: the message names it."""
 
 

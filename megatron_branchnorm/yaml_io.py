@@ -15,13 +15,15 @@ from typing import Any
 
 import yaml
 
+from megatron_branchnorm.errors import UserError
+
 MAX_BYTES = 1 << 20
 """Largest YAML text we parse (1 MiB; our configs are ~2 KB)."""
 MAX_NODES = 100_000
 """Largest document, counted with every alias expanded (our configs have ~100 nodes)."""
 
 
-class YAMLLimitError(ValueError):
+class YAMLLimitError(UserError, ValueError):
     """A YAML document over the bounds (or recursive): the message names the source."""
 
 

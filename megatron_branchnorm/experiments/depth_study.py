@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir  # (no torch)
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.launch import (
     CHECKOUT,
     LaunchError,
@@ -59,7 +60,7 @@ FULL_DEPTHS = (6, 24, 50, 100, 200, 500)
 RESULT = "result.json"
 
 
-class StudyError(ValueError):
+class StudyError(UserError, ValueError):
     """Bad study input: a one-line message naming the option or file."""
 
 

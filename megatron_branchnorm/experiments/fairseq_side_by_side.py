@@ -50,6 +50,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir
 from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.launch import CHECKOUT, tool_command
 from megatron_branchnorm.tokens import lang_tag
 
@@ -58,7 +59,7 @@ FAIRSEQ_SPECIALS = 4  # <pad> <unk> <s> </s>: ids 0-3 in our SentencePiece model
 LOG_RE = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
 
 
-class SideBySideError(RuntimeError):
+class SideBySideError(UserError, RuntimeError):
     """A one-line error for the command line."""
 
 

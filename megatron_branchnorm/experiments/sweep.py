@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.config import CONFIG_DIR
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.paper import (
     TASKS,
     PaperError,
@@ -58,7 +59,7 @@ RECIPE_LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "recipe.sh"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     """Bad input to the sweep: one line."""
 
 

@@ -28,6 +28,7 @@ import torch
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError, config_from_dict
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.partition import (
     engine_param_to_flat_key,
@@ -47,7 +48,7 @@ MAX_JSON_BYTES = 64 << 20
 """Largest train_config.json / manifest.json read (ours are a few KB to a few MB)."""
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError, ValueError):
     """A checkpoint that cannot be converted: the message names the file."""
 
 

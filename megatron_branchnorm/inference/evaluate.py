@@ -39,12 +39,13 @@ from megatron_branchnorm.cli import (
     refuse_overlap,
     write_text_output,
 )
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
 
 MANIFEST = "manifest.json"
 
 
-class EvaluationError(ValueError):
+class EvaluationError(UserError, ValueError):
     """Bad evaluation input (manifest, references, directions): a one-line message."""
 
 

@@ -43,6 +43,7 @@ from megatron_branchnorm.cli import (
 )
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
@@ -58,7 +59,7 @@ EXPORT_KIND = "export"
 EXPORT_TOOL = "convert_checkpoint"
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A missing, corrupt or inconsistent export directory: the message names the file."""
 
 

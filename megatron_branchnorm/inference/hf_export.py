@@ -44,6 +44,7 @@ from megatron_branchnorm.cli import (
     temp_dir_beside,
     write_marker,
 )
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.inference.export import (
     EXPORT_TOOL,
     SPM,
@@ -61,7 +62,7 @@ HF_EXPORT_KIND = "hf_export"
 """Marker kind of a Hugging Face export directory (cli.MARKER)."""
 
 
-class HFExportError(ValueError):
+class HFExportError(UserError, ValueError):
     """The model cannot be expressed as a transformers model (one-line reason)."""
 
 

@@ -24,6 +24,7 @@ import torch
 
 from megatron_branchnorm.cli import float_flag, int_flag
 from megatron_branchnorm.data.text import clean
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.inference.beam_search import Hypothesis, beam_search
 from megatron_branchnorm.inference.export import ExportError, load_export
 from megatron_branchnorm.model import EncoderDecoder
@@ -32,7 +33,7 @@ from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, lang_tag
 TAG_PATTERN = re.compile(r"^<2[^<>\s]+>$")
 
 
-class TranslateError(ValueError):
+class TranslateError(UserError, ValueError):
     """Bad input to translation (unknown language, missing tokenizer): a one-line message."""
 
 

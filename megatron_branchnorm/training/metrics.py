@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import describe_os_error, one_line
+from megatron_branchnorm.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 BLEU_FILE = "valid_bleu.jsonl"
@@ -25,7 +26,7 @@ TIMING_KEYS = ("tokens_per_sec", "memory_mb", "elapsed_s", "eta_s")
 """The keys that depend on the machine and its load, not on what was trained."""
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(UserError, ValueError):
     """A metrics file that a strict reader cannot use: one line naming the file (and line)."""
 
 

@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import stop_signals
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.training import collectives
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError, RuntimeError):
     """A failure every rank reports the same way (one line, exit 2): a full disk during a
     save, a save_dir held by another run."""
 
