@@ -15,17 +15,17 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mbn-train=megatron_branchnorm.commands.train:main",
+            "mbn-train=megatron_branchnorm.train:console_main",
             "mbn-preprocess=megatron_branchnorm.commands.preprocess:main",
             "mbn-convert=megatron_branchnorm.commands.convert:main",
             "mbn-translate=megatron_branchnorm.commands.translate:main",
             "mbn-evaluate=megatron_branchnorm.commands.evaluate:main",
             "mbn-plan=megatron_branchnorm.commands.plan:main",
-            "mbn-rehearse=megatron_branchnorm.commands.rehearse:main",
-            "mbn-demo=megatron_branchnorm.commands.demo:main",
+            "mbn-rehearse=megatron_branchnorm.workflows.rehearse:main",
+            "mbn-demo=megatron_branchnorm.workflows.demo:main",
             "mbn-plot=megatron_branchnorm.commands.plot:main",
             "mbn-corpus=megatron_branchnorm.commands.corpus:main",
-            "mbn-gpu-check=megatron_branchnorm.commands.gpu_check:main",
+            "mbn-gpu-check=megatron_branchnorm.workflows.gpu_check:main",
             "mbn-watch-bleu=megatron_branchnorm.commands.watch_bleu:main",
         ]
     },

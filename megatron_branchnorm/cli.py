@@ -1,8 +1,10 @@
 """What every entry point shares: one-line errors, Ctrl-C, and outputs that never eat inputs.
 
-- :func:`run_main` runs a ``main(argv) -> int``: an expected error (the caller's exception
-  types, and any ``OSError``: a missing file, a full disk, a file where a directory should
-  be) becomes ``error: <one line>`` on stderr and exit 2; Ctrl-C becomes one line and exit 130.
+- :func:`run_main` runs a ``main(argv) -> int``, once per command: a
+  :class:`~megatron_branchnorm.errors.UserError` (every error type a user's input or
+  environment can cause derives from it) or an ``OSError`` (a missing file, a full disk, a file
+  where a directory should be) becomes ``error: <one line>`` on stderr and exit 2; Ctrl-C
+  becomes one line and exit 130; any other exception is a bug and keeps its traceback.
   Writers publish by renaming a finished temporary file or directory, so an interrupt leaves
   nothing half-written that looks complete.
 - :func:`quote` caps what an error message repeats of a user's value.
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import one_line, quote  # noqa: F401 - commands use cli.quote
 
 EXIT_BAD_INPUT = 2
 """Exit code of every entry point for bad input (a one-line error)."""
@@ -34,23 +37,8 @@ EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT), as shells report it."""
 MARKER = ".megatron_branchnorm-output.json"
 """Marker file in every directory an entry point creates: {"tool": ..., "kind": ...}."""
-QUOTE_LIMIT = 120
 MAX_INT = 2**31 - 1
 """Largest integer a config key or a count flag takes."""
-
-
-def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
-    """``repr(value)``, cut to ``limit`` characters with the full length said."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text):,} characters)"
-
-
-def one_line(text: str, limit: int = 2000) -> str:
-    """Whitespace folded to single spaces, at most ``limit`` characters."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else f"{line[:limit]}... (cut)"
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -64,12 +52,11 @@ def describe_os_error(exc: OSError) -> str:
     return f"{name}: {reason}" if name is not None else one_line(str(exc))
 
 
-def run_main(
-    main: Callable[[list[str] | None], int],
-    argv: list[str] | None = None,
-    errors: tuple[type[BaseException], ...] = (),
-) -> int:
-    """``main(argv)`` with expected errors as one line and exit 2, Ctrl-C as exit 130."""
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """``main(argv)``, with a :class:`UserError` or an ``OSError`` as one line ``error: ...`` and
+    exit 2 and Ctrl-C as one line and exit 130; any other exception (a bug) propagates with its
+    traceback. Every command and workflow runs its ``main`` through this exactly once, with its
+    imports inside ``main`` where they are slow (Ctrl-C during them is exit 130 too)."""
     try:
         return main(argv)
     except KeyboardInterrupt:
@@ -78,7 +65,7 @@ def run_main(
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except errors as exc:
+    except UserError as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -34,6 +34,16 @@ LAYERNORM_IMPLS = ("auto", "apex", "torch")
 ACTIVATIONS = ("relu", "gelu")
 
 
+MAX_OVERRIDE_CHARS = 1 << 16
+"""Longest value a ``key=value`` override takes (paths and layout strings are far shorter)."""
+
+
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
+"""Largest ``train.collective_timeout_s``: a week. Much larger values overflow the timeout
+that torch.distributed holds in nanoseconds (1e10 s failed at once with "timed out", 1e300
+raised OverflowError), and no collective should wait longer than a week."""
+
+
 class ConfigError(UserError, ValueError):
     """A bad configuration: the message names the offending key."""
 
@@ -244,6 +254,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return number
     elif tp is str:
         if isinstance(value, str):
+            if "\x00" in value:
+                raise ConfigError(
+                    f"config key {key}: contains a NUL byte, which no path or name may hold "
+                    f"({quote(value)})"
+                )
             return value
     raise ConfigError(
         f"config key {key}: expected {_type_name(tp)}, got {type(value).__name__} {quote(value)}"
@@ -309,23 +324,85 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+_PLAIN_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_PLAIN_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+_NULLS = ("null", "Null", "NULL", "~")
+_BOOLS = {"true": True, "false": False}
+
+
+def _field_type(section: str, name: str) -> Any:
+    """The annotation of ``section.name`` in :class:`ExperimentConfig`, or None if unknown."""
+    sections = typing.get_type_hints(ExperimentConfig)
+    cls = sections.get(section)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    return typing.get_type_hints(cls).get(name)
+
+
+def _parse_override(key: str, raw: str, tp: Any) -> Any:
+    """The value of a ``key=raw`` override, read as the key's type ``tp`` means it, never by
+    YAML 1.1's rules (which read ``1:30`` as 90, ``0x10`` as 16, ``010`` as 8 and drop a
+    ``#...`` as a comment):
+
+    - int: a plain decimal integer (``-3``, ``4000``); float: a plain decimal number with an
+      optional exponent (``5e-4``, ``.5``, ``3``); bool: ``true`` or ``false`` (any case);
+      ``null`` (or ``~``) where the key may be unset; str: the text exactly as given, ``#``
+      and all. A union (``int | str``) takes the first type the text reads as.
+    - anything else for an int, float or bool key is refused naming the key: a person may mean
+      something other than what a YAML reader would make of ``1:30``, ``0x10`` or ``1_000``.
+
+    An unknown key keeps its text; :func:`_build` refuses it naming the known keys."""
+    if tp is None:
+        return raw
+    args = (
+        typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    )
+    if type(None) in args and raw.strip() in _NULLS:
+        return None
+    text = raw.strip()
+    for arg in args:
+        if arg is bool and text.lower() in _BOOLS:
+            return _BOOLS[text.lower()]
+        if arg is int and _PLAIN_INT.fullmatch(text):
+            if len(text) > 20:  # int() of thousands of digits is slow, then refused anyway
+                raise ConfigError(
+                    f"config key {key}: {quote(raw)} is out of range (|x| <= {MAX_INT})"
+                )
+            return int(text)
+        if arg is float and _PLAIN_FLOAT.fullmatch(text):
+            return float(text)
+        if arg is str:
+            return raw
+    wanted = " or ".join(
+        {
+            bool: "bool (true or false)",
+            int: "int (a plain decimal integer such as 12)",
+            float: "float (a plain decimal number such as 0.5 or 5e-4)",
+            type(None): "null",
+        }.get(arg, _type_name(arg))
+        for arg in args
+    )
+    kind = "bool " if text.lower() in _BOOLS else "null " if text in _NULLS else ""
+    raise ConfigError(f"config key {key}: expected {wanted}, got {kind}{quote(raw)}")
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply dotted ``section.key=value`` overrides (values parsed as YAML scalars)."""
+    """Apply dotted ``section.key=value`` overrides, each value read as its key's type means
+    it (:func:`_parse_override`), never by YAML 1.1's number rules."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {quote(item)}: expected section.key=value")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
+        key = key.strip()
+        parts = key.split(".")
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"config key {key}: overrides take the form section.key=value")
-        try:
-            value = load_bounded(raw, f"override {key}") if raw != "" else ""
-        except YAMLLimitError as exc:
-            raise ConfigError(str(exc)) from None
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"config key {key}: expected a scalar value, got {quote(raw)}")
+        if len(raw) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(
+                f"config key {key}: {len(raw):,} characters of value, more than the "
+                f"{MAX_OVERRIDE_CHARS:,} an override takes"
+            )
+        value = _parse_override(key, raw, _field_type(parts[0], parts[1]))
         section = data.setdefault(parts[0], {})
         if not isinstance(section, dict):
             raise ConfigError(f"config key {parts[0]}: expected a mapping")
@@ -529,7 +606,7 @@ def validate(cfg: ExperimentConfig) -> None:
         f"must be >= 1, got {t.max_consecutive_skips}",
     )
     _check(
-        t.collective_timeout_s > 0,
+        0 < t.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S,
         "train.collective_timeout_s",
-        f"must be > 0, got {t.collective_timeout_s}",
+        f"must be > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:g} (a week), got {t.collective_timeout_s:g}",
     )

@@ -2,7 +2,9 @@
 and a command in its own process group with its output in a log file, stopped as a whole
 (launcher and ranks) on an interrupt or a timeout.
 
-Used by the demo, the rehearsal and the research harness (``megatron_branchnorm.experiments``).
+Used by the workflows (``megatron_branchnorm.workflows``) and the research harness
+(``megatron_branchnorm.experiments``); :func:`rank_env` is the environment srun and
+``slurm/common.sh`` give a rank.
 """
 
 from __future__ import annotations
@@ -36,10 +38,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of one rank, as srun + slurm/common.sh would give it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MBN_FAULT"))}
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+WORKFLOWS = ("demo", "rehearse", "gpu_check", "local_slurm", "rehearse_slurm")
+"""The user commands whose module is ``megatron_branchnorm.workflows.<name>``; every other one
+(but ``train``) is ``megatron_branchnorm.commands.<name>`` (``commands.COMMANDS`` maps each)."""
+
+
 def tool_command(name: str) -> list[str]:
-    """The command line that runs the user command ``megatron_branchnorm.commands.<name>``
-    with this interpreter (``commands.COMMANDS`` lists them)."""
-    return [sys.executable, "-m", f"megatron_branchnorm.commands.{name}"]
+    """The command line that runs the user command ``name`` (``commands.COMMANDS``) with this
+    interpreter: ``python -m megatron_branchnorm.{commands,workflows}.<name>``."""
+    if name == "train":
+        return [sys.executable, "-m", "megatron_branchnorm.train"]
+    package = "workflows" if name in WORKFLOWS else "commands"
+    return [sys.executable, "-m", f"megatron_branchnorm.{package}.{name}"]
 
 
 def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -142,7 +142,9 @@ def layout_parts(cfg: ModelConfig, layout: str) -> list[int]:
     (output + loss). enc_final stays with the last encoder layer, dec_embed goes with the
     first decoder layer, dec_final with the last decoder layer."""
     key = "pipeline.partition"
+    expected = ["E"] + ["e"] * cfg.encoder_layers + ["d"] * cfg.decoder_layers + ["L"]
     counted: list[list[str]] = []
+    total = 0
     for stage_text in layout.split("|"):
         items: list[str] = []
         for tok in stage_text.split():
@@ -151,11 +153,21 @@ def layout_parts(cfg: ModelConfig, layout: str) -> list[int]:
                 raise ConfigError(
                     f"config key {key}: bad layout token {quote(tok)} in {quote(layout)}"
                 )
-            items += [match.group(1)] * int(match.group(2) or 1)
+            digits = match.group(2) or "1"
+            # A repeat count is bounded by the layers there are before it is expanded: a
+            # count like e*99999999999999999999 overflowed, and e*999999999 allocated GBs.
+            repeat = int(digits) if len(digits) <= 9 else len(expected) + 1
+            total += repeat
+            if total > len(expected):
+                raise ConfigError(
+                    f"config key {key}: layout {quote(layout)} counts more than the "
+                    f"{len(expected)} entries of E e*{cfg.encoder_layers} "
+                    f"d*{cfg.decoder_layers} L (at {quote(tok)})"
+                )
+            items += [match.group(1)] * repeat
         if not items:
             raise ConfigError(f"config key {key}: empty stage in layout {quote(layout)}")
         counted.append(items)
-    expected = ["E"] + ["e"] * cfg.encoder_layers + ["d"] * cfg.decoder_layers + ["L"]
     flat = [x for items in counted for x in items]
     if flat != expected:
         raise ConfigError(

@@ -2,7 +2,7 @@
 rate and BranchNorm alpha against the update step, several runs overlaid (PNG, matplotlib).
 
 Used by ``commands/plot.py`` (``tools/plot_training.py``) and by the demo
-(``megatron_branchnorm/demo.py``).
+(``megatron_branchnorm/workflows/demo.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.training.metrics import MetricsFileError, read_metrics
+from megatron_branchnorm.formats.records import MetricsFileError, read_metrics
 
 # (metric key, panel title, log-scale y axis when the values span more than 20x)
 PANELS: tuple[tuple[str, str, bool], ...] = (

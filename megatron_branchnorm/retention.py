@@ -5,12 +5,14 @@ writes 50 of them. With ``train.keep_last=K`` the trainer (rank 0, after every c
 removes the other checkpoints, except:
 
 - the one ``latest`` names and the newest complete one (what a resume loads:
-  :func:`megatron_branchnorm.checkpoint.resume_tag`), whatever K is;
+  :func:`megatron_branchnorm.formats.checkpoint.resume_tag`), whatever K is;
 - with ``train.keep_best=N``, the N best checkpoints by ``train.best_metric``: the lowest
   validation loss at their own step (``valid_loss`` rows of ``metrics.jsonl``; the config
   requires ``eval_interval`` to divide ``save_interval``, so every periodic save is scored),
   or the highest validation BLEU (``valid_bleu.jsonl``, written by the companion process
-  ``tools/watch_bleu.py``); ``best.json`` in the save_dir names them, best first;
+  ``tools/watch_bleu.py``: only the rows on the dev split, under one scoring, that scored
+  the checkpoint now at their step, :func:`megatron_branchnorm.formats.records.validation_bleus`);
+  ``best.json`` in the save_dir names them, best first, each with its checkpoint id;
 - with ``best_metric=valid_bleu``, every checkpoint newer than the newest one scored: the
   companion has yet to score them, and one of them may be the best;
 - an incomplete checkpoint (no manifest) newer than ``latest``: none exists while the trainer
@@ -26,17 +28,34 @@ half-deleted checkpoint that still looks complete.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
-from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.training.metrics import valid_bleus, valid_losses
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import valid_losses, validation_bleus, write_best
 
-BEST_FILE = "best.json"
 REMOVING_PREFIX = ".removing-"
-METRICS = {"valid_loss": (valid_losses, False), "valid_bleu": (valid_bleus, True)}
-"""train.best_metric: (scores by step, whether higher is better)."""
+HIGHER_IS_BETTER = {"valid_loss": False, "valid_bleu": True}
+"""train.best_metric: whether a higher score is better."""
+
+
+def checkpoint_ids(save_dir: Path, complete: list[str]) -> dict[str, str]:
+    """{tag: checkpoint id} of the complete checkpoints (one removed meanwhile is left out)."""
+    ids = {}
+    for tag in complete:
+        try:
+            ids[tag] = ckpt.checkpoint_id(save_dir / tag)
+        except FileNotFoundError:
+            continue
+    return ids
+
+
+def read_scores(save_dir: Path, metric: str, ids: dict[str, str]) -> dict[int, float]:
+    """The scores by step that rank the checkpoints: the validation loss at each step, or
+    the validation BLEU of the checkpoints now on disk (``ids``: {tag: checkpoint id})."""
+    if metric == "valid_bleu":
+        return validation_bleus(save_dir, {ckpt.tag_step(t): i for t, i in ids.items()})
+    return valid_losses(save_dir)
 
 
 def checkpoints_to_remove(
@@ -84,15 +103,12 @@ def apply_retention(
     for leftover in save_dir.glob(REMOVING_PREFIX + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
     complete, incomplete = ckpt.checkpoint_tags(save_dir)
-    read_scores, higher = METRICS[metric]
-    scores = read_scores(save_dir) if keep_best else {}
-    best = best_checkpoints(complete, scores, keep_best, higher) if keep_best else []
+    ids = checkpoint_ids(save_dir, complete) if keep_best else {}
+    scores = read_scores(save_dir, metric, ids) if keep_best else {}
+    best = best_checkpoints(complete, scores, keep_best, HIGHER_IS_BETTER[metric])
     waiting = awaiting_scores(complete, scores) if keep_best and metric == "valid_bleu" else []
     if keep_best:
-        record = {"metric": metric, "checkpoints": [{"tag": t, metric: v} for t, v in best]}
-        tmp = save_dir / f".{BEST_FILE}.tmp"
-        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(save_dir / BEST_FILE)
+        write_best(save_dir, metric, best, ids)
     latest = ckpt.read_latest(save_dir)
     keep = [t for t, _ in best] + waiting
     doomed = checkpoints_to_remove(complete, incomplete, latest, keep_last, keep)

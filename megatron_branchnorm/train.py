@@ -22,10 +22,8 @@ from megatron_branchnorm import stop_signals  # noqa: E402
 
 stop_signals.install()
 
-from megatron_branchnorm.checkpoint import CheckpointError  # noqa: E402
 from megatron_branchnorm.cli import run_main  # noqa: E402
-from megatron_branchnorm.config import ConfigError, load_config  # noqa: E402
-from megatron_branchnorm.data.errors import DataError  # noqa: E402
+from megatron_branchnorm.config import load_config  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -60,9 +58,13 @@ def _train(argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, build, run. Bad input (config, data, checkpoint, DeepSpeed JSON,
     save_dir, a full disk) is one line and exit 2 on every rank; Ctrl-C exits 130."""
-    from megatron_branchnorm.training.stopping import TrainError
+    return run_main(_train, argv)
 
-    return run_main(_train, argv, errors=(ConfigError, CheckpointError, DataError, TrainError))
+
+def console_main() -> None:
+    """The ``mbn-train`` console script (setup.py): :func:`main` on ``sys.argv``, then
+    :func:`exit_now` with its exit code."""
+    exit_now(main())
 
 
 def exit_now(code: int) -> None:

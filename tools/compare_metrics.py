@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_branchnorm.training.metrics import MetricsFileError, first_difference
+from megatron_branchnorm.formats.records import MetricsFileError
+from megatron_branchnorm.training.metrics import first_difference
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,10 @@
 file in one directory; for rehearsing the sbatch launchers on CPU before GPU hours.
 
 Front door: `python tools/local_slurm.py --help` gives the usage; the code is
-megatron_branchnorm/commands/local_slurm.py.
+megatron_branchnorm/workflows/local_slurm.py.
 """
 
-from megatron_branchnorm.commands.local_slurm import main
+from megatron_branchnorm.workflows.local_slurm import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -6,10 +6,10 @@ checks, the figures (start-up, time per update, signal to exit, save, requeue to
 and the exact sbatch command; exit 0 when every check passed.
 
 Front door: `python tools/rehearse_slurm.py --help` gives the usage; the code is
-megatron_branchnorm/commands/rehearse_slurm.py.
+megatron_branchnorm/workflows/rehearse_slurm.py.
 """
 
-from megatron_branchnorm.commands.rehearse_slurm import main
+from megatron_branchnorm.workflows.rehearse_slurm import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
-    OutputError,
     UsageError,
     check_parent_dir,
     int_flag,
@@ -132,30 +131,11 @@ def _convert(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.checkpoint import CheckpointError
-    from megatron_branchnorm.config import ConfigError
-    from megatron_branchnorm.inference.convert import ConvertError
-    from megatron_branchnorm.inference.export import ExportError
-    from megatron_branchnorm.inference.hf_export import HFExportError
-
-    errors = (
-        ConvertError,
-        CheckpointError,
-        ConfigError,
-        ExportError,
-        HFExportError,
-        OutputError,
-        UsageError,
-    )
-    return run_main(_convert, argv, errors=errors)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Bad input (a flag, the checkpoint, an output over an input) is one line ``error: ...``
     and exit 2; Ctrl-C (even during the torch import) exits 130; outputs appear only when
     complete."""
-    return run_main(_with_errors, argv)
+    return run_main(_convert, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import sys
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
-    UsageError,
     float_flag,
     int_flag,
     run_main,
@@ -76,16 +75,10 @@ def _build(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.data.errors import DataError
-
-    return run_main(_build, argv, errors=(DataError, UsageError))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Build the corpus and print per-language counts. Bad input is one line ``error: ...``
     and exit 2; Ctrl-C exits 130 and leaves no output."""
-    return run_main(_with_errors, argv)
+    return run_main(_build, argv)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ import sys
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
-    OutputError,
-    UsageError,
     int_flag,
     quote,
     run_main,
@@ -128,19 +126,10 @@ def _evaluate(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.inference.evaluate import EvaluationError
-    from megatron_branchnorm.inference.export import ExportError
-    from megatron_branchnorm.inference.translate import TranslateError
-
-    errors = (EvaluationError, ExportError, TranslateError, UsageError, OutputError)
-    return run_main(_evaluate, argv, errors=errors)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Bad input (a flag, the data, the export, an output over an input) is one line
     ``error: ...`` and exit 2; Ctrl-C exits 130; outputs appear only when complete."""
-    return run_main(_with_errors, argv)
+    return run_main(_evaluate, argv)
 
 
 if __name__ == "__main__":

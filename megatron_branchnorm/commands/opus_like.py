@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from megatron_branchnorm.cli import ArgumentParser, UsageError, int_flag, run_main
+from megatron_branchnorm.cli import ArgumentParser, int_flag, run_main
 
 PROG = "make_opus_like_corpus.py"
 
@@ -69,16 +69,10 @@ def _make(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.data.errors import DataError
-
-    return run_main(_make, argv, errors=(DataError, UsageError))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Write the corpus and print its pair sizes. Bad input is one line ``error: ...`` and exit
     2; Ctrl-C exits 130 and leaves no output."""
-    return run_main(_with_errors, argv)
+    return run_main(_make, argv)
 
 
 if __name__ == "__main__":

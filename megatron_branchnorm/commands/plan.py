@@ -17,13 +17,12 @@ import sys
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
-    UsageError,
     float_flag,
     int_flag,
     run_main,
     write_stdout,
 )
-from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.config import load_config
 from megatron_branchnorm.planner import (
     DEFAULT_VOCAB,
     PlanError,
@@ -124,7 +123,7 @@ def _plan(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, plan, print. Bad input is one line ``error: ...`` and exit 2."""
-    return run_main(_plan, argv, errors=(ConfigError, PlanError, UsageError))
+    return run_main(_plan, argv)
 
 
 if __name__ == "__main__":

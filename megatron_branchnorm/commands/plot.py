@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_branchnorm.plotting import PlotError, plot_runs
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.plotting import plot_runs
 
 PROG = "plot_training.py"
 
@@ -30,16 +31,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _plot(argv: list[str] | None) -> int:
     args = parse_args(argv)
     labels = args.labels.split(",") if args.labels else None
-    try:
-        out = plot_runs(args.runs, args.output, labels)
-    except (PlotError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    out = plot_runs(args.runs, args.output, labels)
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plot and say where. Bad input (a run without metrics.jsonl, labels that do not match the
+    runs) is one line ``error: ...`` and exit 2."""
+    return run_main(_plot, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import time
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
-    UsageError,
     float_flag,
     int_flag,
     run_main,
@@ -169,16 +168,10 @@ def _preprocess(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.data.errors import DataError
-
-    return run_main(_preprocess, argv, errors=(DataError, UsageError))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run preprocessing and print a summary. Bad input (a flag, a file, an output over the
     input) is one line ``error: ...`` and exit 2; Ctrl-C exits 130 and leaves no output."""
-    return run_main(_with_errors, argv)
+    return run_main(_preprocess, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import sys
 from megatron_branchnorm.cli import (
     ArgumentParser,
     OutputError,
-    UsageError,
     check_output_file,
     run_main,
     stdin_is,
@@ -103,18 +102,10 @@ def _translate(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.inference.export import ExportError
-    from megatron_branchnorm.inference.translate import TranslateError
-
-    errors = (ExportError, TranslateError, UsageError, OutputError)
-    return run_main(_translate, argv, errors=errors)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Bad input (a flag, a file, a language) is one line ``error: ...`` and exit 2; Ctrl-C
     (even during the torch import) exits 130; the output file appears only when complete."""
-    return run_main(_with_errors, argv)
+    return run_main(_translate, argv)
 
 
 if __name__ == "__main__":

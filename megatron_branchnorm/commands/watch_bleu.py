@@ -39,9 +39,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--poll-s", type=float_flag(0.1), default=60.0, help="--follow: seconds between looks"
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--threads", type=int_flag(0), default=0, help="torch threads (0: default)")
     return p.parse_args(argv)
+
+
+def check_device(device: str) -> None:
+    """A UsageError for a --device that is not cpu or a CUDA device this machine has."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
 
 
 def _watch(argv: list[str] | None) -> int:
@@ -49,6 +68,7 @@ def _watch(argv: list[str] | None) -> int:
 
     import torch
 
+    from megatron_branchnorm.formats.records import BLEU_FILE
     from megatron_branchnorm.inference.evaluate import Scoring
     from megatron_branchnorm.inference.valid_bleu import WatchOptions, watch
 
@@ -56,6 +76,7 @@ def _watch(argv: list[str] | None) -> int:
     save_dir = Path(args.checkpoint)
     if not save_dir.is_dir():
         raise UsageError(f"--checkpoint {save_dir}: no such directory")
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     scoring = Scoring.from_args(args)
@@ -75,31 +96,13 @@ def _watch(argv: list[str] | None) -> int:
                 f"({save_dir / LOCK} is locked)"
             ) from None
         n = watch(save_dir, opts, args.follow, args.poll_s, lambda m: print(m, flush=True))
-    print(f"{n} checkpoint(s) scored; rows in {save_dir / 'valid_bleu.jsonl'}")
+    print(f"{n} checkpoint(s) scored; rows in {save_dir / BLEU_FILE}")
     return 0
-
-
-def _with_errors(argv: list[str] | None) -> int:
-    from megatron_branchnorm.checkpoint import CheckpointError
-    from megatron_branchnorm.config import ConfigError
-    from megatron_branchnorm.inference.convert import ConvertError
-    from megatron_branchnorm.inference.evaluate import EvaluationError
-    from megatron_branchnorm.inference.translate import TranslateError
-
-    errors = (
-        ConvertError,
-        CheckpointError,
-        ConfigError,
-        EvaluationError,
-        TranslateError,
-        UsageError,
-    )
-    return run_main(_watch, argv, errors=errors)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Bad input is one line ``error: ...`` and exit 2; Ctrl-C exits 130."""
-    return run_main(_with_errors, argv)
+    return run_main(_watch, argv)
 
 
 if __name__ == "__main__":

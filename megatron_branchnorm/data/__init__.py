@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.formats.data_dir import DataError
 
 if TYPE_CHECKING:
     from megatron_branchnorm.data.dataset import (

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.text import read_lines
+from megatron_branchnorm.formats.data_dir import DataError
 
 FORMATS = ("opus100", "moses", "plain")
 SPLITS = ("train", "dev", "test")

@@ -26,7 +26,6 @@ The sampler reads a data source through four members, so any object with per-sam
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.indexed_dataset import IndexedDataset
-from megatron_branchnorm.data.preprocess import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION
 from megatron_branchnorm.data.sampling import allocate, temperature_probs
+from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
+from megatron_branchnorm.formats.data_dir import MANIFEST, DataError, read_data_manifest
+from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -61,18 +61,10 @@ def _require(ok: bool, path: Path, msg: str) -> None:
 
 
 def open_manifest(data_dir: str | Path) -> dict:
-    """Read ``DATA_DIR/manifest.json`` and check its structure; raises :class:`DataError`."""
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(
-            f"{path}: missing; {data_dir} is not a preprocessed DATA_DIR "
-            "(run tools/preprocess_data.py)"
-        )
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: unreadable manifest: {' '.join(str(exc).split())}") from None
-    _require(isinstance(m, dict), path, "manifest is not a JSON object")
+    """``DATA_DIR/manifest.json`` through its one reader (``formats/data_dir.py``), then the
+    structure the training stream needs beyond it; raises :class:`DataError`."""
+    manifest = read_data_manifest(data_dir)
+    path, m = manifest.path, dict(manifest.raw)
     _require(m.get("format") == MANIFEST_FORMAT, path, f"format is not {MANIFEST_FORMAT!r}")
     _require(
         m.get("version") == MANIFEST_VERSION,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.formats.data_dir import DataError
 
 MAGIC = b"MBNIDX\x00\x00"
 VERSION = 1

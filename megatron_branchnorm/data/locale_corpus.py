@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_branchnorm.data.corpora import LANG_RE, pair_name
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
 from megatron_branchnorm.data.text import clean, is_letterish
+from megatron_branchnorm.formats.data_dir import DataError
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale"
 DEFAULT_LANGS = ("de", "es", "fr", "it", "ja", "ru", "zh_CN")

@@ -72,15 +72,15 @@ from megatron_branchnorm.data.corpora import (
     pair_name,
     parse_langs,
 )
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from megatron_branchnorm.data.phase_stats import PhaseStats
 from megatron_branchnorm.data.text import clean_lines, decode_block, reference_block, utf8_error
+from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
+from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
+from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
+from megatron_branchnorm.formats.files import sha256_file
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "megatron_branchnorm-data"
-MANIFEST_VERSION = 1
 FILTERS = ("bad_utf8", "empty", "too_long")
 CHUNK_LINES = 2000
 """Input lines per cleaning task; cleaned lines (at least) per encoding task."""
@@ -862,11 +862,18 @@ def _build(
                     "src_tokens": enc.tokens[src],
                     "tgt_tokens": enc.tokens[tgt],
                 }
-                # Evaluation references: every dev/test line, unfiltered.
+                if split == "train":
+                    continue
+                # Evaluation references: every dev/test line, unfiltered; their sha256 lets
+                # evaluate refuse a reference edited or shifted later.
                 references[f"{src}-{tgt}"] = {
                     "src": f"raw/{split}.{pair}.{src}",
                     "tgt": f"raw/{split}.{pair}.{tgt}",
                     "sentences": st.raw,
+                    "sha256": {
+                        "src": sha256_file(tmp / "raw" / f"{split}.{pair}.{src}"),
+                        "tgt": sha256_file(tmp / "raw" / f"{split}.{pair}.{tgt}"),
+                    },
                 }
         info["directions"] = dict(sorted(info["directions"].items()))
         if split != "train":

@@ -17,13 +17,28 @@ import numpy as np
 
 
 def temperature_probs(counts: list[int] | np.ndarray, temperature: float) -> np.ndarray:
-    """p_i proportional to n_i^(1/T); groups with n_i = 0 get probability 0."""
+    """p_i proportional to n_i^(1/T); groups with n_i = 0 get probability 0. Finite and
+    summing to 1 for every T > 0 (computed in log space where n_i^(1/T) would overflow)."""
     if temperature <= 0:
         raise ValueError(f"sampling temperature must be > 0, got {temperature}")
     n = np.asarray(counts, dtype=np.float64)
     if (n < 0).any() or n.sum() <= 0:
         raise ValueError(f"need non-negative counts with a positive sum, got {list(counts)}")
-    w = np.where(n > 0, n ** (1.0 / temperature), 0.0)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        w = np.where(n > 0, n ** (1.0 / temperature), 0.0)
+        total = w.sum()
+        if np.isfinite(total) and total > 0:
+            # The direct formula, bit for bit as before, wherever it is finite: fixed-seed
+            # runs at the usual temperatures keep their exact sample streams.
+            return w / total
+        # A small T overflows n^(1/T) (0.01: 3000^100 = inf, and inf/inf = NaN, issue 31):
+        # the same ratio in log space, shifted by the largest exponent, stays finite.
+        logw = np.where(n > 0, np.log(np.where(n > 0, n, 1.0)) / temperature, -np.inf)
+        top = logw.max()
+        if np.isfinite(top):
+            w = np.where(n > 0, np.exp(logw - top), 0.0)
+        else:  # T so small that even log n / T overflows: the limit T -> 0, the largest group
+            w = (n == n.max()).astype(np.float64)
     return w / w.sum()
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as sp
 
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.sampling import allocate, temperature_probs
+from megatron_branchnorm.formats.data_dir import DataError
 from megatron_branchnorm.tokens import SPM_SPECIALS, lang_tag
 
 MODEL_TYPES = ("unigram", "bpe", "char", "word")

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_branchnorm.data.corpora import pair_name
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.locale_corpus import CORPUS_KIND
 from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
+from megatron_branchnorm.formats.data_dir import DataError
 
 CORPUS_TOOL = "make_opus_like_corpus"
 SUMMARY = "synthetic_corpus.json"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import unicodedata
 from pathlib import Path
 
-from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.formats.data_dir import DataError
 
 BAD_UTF8_MODES = ("error", "skip", "replace")
 

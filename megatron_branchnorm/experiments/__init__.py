@@ -17,6 +17,8 @@ megatron_branchnorm.experiments.NAME`` runs it too.
 - ``fault_sweep``: long fault-injection runs behind docs/reliability.md.
 - ``fault_runs``: the fault launcher and readers shared by the sweep and tests/faults.
 - ``analyze_model``: layer-wise analyses of exports (BranchNorm paper, Figs. 8 and 9).
+- ``analysis``: the measurements behind ``analyze_model`` and ``source_dependence`` (also the
+  demo's source-use figures).
 - ``source_dependence``: how much an exported model reads its source.
 - ``sweep``: a depth-by-scheme grid submitted to SLURM, collected into the paper's table layout.
 """

@@ -8,7 +8,7 @@ per encoder and decoder layer, on a DATA_DIR's held-out sentences (teacher-force
 Prints a Markdown table (every layer for shallow models, about 12 rows per stack for deep
 ones; --every K to choose) with the mean over layers and each model's teacher-forced nll, and
 writes a PNG (2x2: cosine and sparsity, encoder and decoder, one line per model). Definitions:
-megatron_branchnorm/analysis.py.
+megatron_branchnorm/experiments/analysis.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from megatron_branchnorm.cli import run_main
 
 PROG = "analyze_model.py"
 
@@ -44,60 +46,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _analyze(argv: list[str] | None) -> int:
     args = parse_args(argv)
     import torch
 
-    from megatron_branchnorm.analysis import (
+    from megatron_branchnorm.experiments.analysis import (
         AnalysisError,
         analyze,
         format_table,
         heldout_batches,
         plot_analysis,
     )
-    from megatron_branchnorm.inference.evaluate import EvaluationError
-    from megatron_branchnorm.inference.export import ExportError, load_export
+    from megatron_branchnorm.inference.export import load_export
 
     torch.set_num_threads(max(1, args.threads))
-    try:
-        labels = args.labels.split(",") if args.labels else None
-        if labels is not None and len(labels) != len(args.exports):
-            raise AnalysisError(f"--labels: {len(labels)} names for {len(args.exports)} exports")
-        if args.every is not None and args.every < 1:
-            raise AnalysisError(f"--every must be >= 1, got {args.every}")
-        results = []
-        for i, export in enumerate(args.exports):
-            model, sp, meta = load_export(export)
-            label = labels[i] if labels else f"{meta.get('scheme', '?')}:{Path(export).name}"
-            batches, counts = heldout_batches(
-                model, sp, args.data, args.split, args.max_sentences, args.batch_tokens
-            )
-            stats = analyze(model, batches)
-            stats.update(
-                {
-                    "export": str(export),
-                    "scheme": meta.get("scheme"),
-                    "step": meta.get("step"),
-                    "sentences": counts,
-                }
-            )
-            results.append((label, stats))
-        print(
-            f"{args.split} split of {args.data}: "
-            + ", ".join(f"{k} {v}" for k, v in results[0][1]["sentences"].items())
-            + " sentence pairs"
+    labels = args.labels.split(",") if args.labels else None
+    if labels is not None and len(labels) != len(args.exports):
+        raise AnalysisError(f"--labels: {len(labels)} names for {len(args.exports)} exports")
+    if args.every is not None and args.every < 1:
+        raise AnalysisError(f"--every must be >= 1, got {args.every}")
+    results = []
+    for i, export in enumerate(args.exports):
+        model, sp, meta = load_export(export)
+        label = labels[i] if labels else f"{meta.get('scheme', '?')}:{Path(export).name}"
+        batches, counts = heldout_batches(
+            model, sp, args.data, args.split, args.max_sentences, args.batch_tokens
         )
-        print(format_table(results, args.every))
-        out = plot_analysis(results, args.output)
-        if args.json:
-            Path(args.json).write_text(
-                json.dumps({label: r for label, r in results}, indent=1) + "\n", encoding="utf-8"
-            )
-        print(f"wrote {out}" + (f" and {args.json}" if args.json else ""))
-    except (AnalysisError, ExportError, EvaluationError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+        stats = analyze(model, batches)
+        stats.update(
+            {
+                "export": str(export),
+                "scheme": meta.get("scheme"),
+                "step": meta.get("step"),
+                "sentences": counts,
+            }
+        )
+        results.append((label, stats))
+    print(
+        f"{args.split} split of {args.data}: "
+        + ", ".join(f"{k} {v}" for k, v in results[0][1]["sentences"].items())
+        + " sentence pairs"
+    )
+    print(format_table(results, args.every))
+    out = plot_analysis(results, args.output)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({label: r for label, r in results}, indent=1) + "\n", encoding="utf-8"
+        )
+    print(f"wrote {out}" + (f" and {args.json}" if args.json else ""))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Analyse, tabulate, plot. Bad input (an export, the data, a flag) is one line
+    ``error: ...`` and exit 2."""
+    return run_main(_analyze, argv)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir  # (no torch)
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.launch import (
     CHECKOUT,
     LaunchError,
@@ -153,17 +154,7 @@ def cell_overrides(
 
 def read_rows(metrics: Path) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl; a missing file gives none, a torn last line is ignored."""
-    if not metrics.is_file():
-        return []
-    rows = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
-    return rows
+    return read_metrics(metrics.parent, name=metrics.name)
 
 
 def _finite(x: Any) -> bool:
@@ -238,7 +229,7 @@ def last_line(log: Path) -> str:
 
 def ensure_data(out: Path) -> Path:
     """OUT/data, built (with OUT/corpus) when missing: German-English, vocabulary 2000."""
-    from megatron_branchnorm.demo import data_matches
+    from megatron_branchnorm.steps import data_matches
 
     corpus, data = out / "corpus", out / "data"
     if data_matches(data, ["de"], 2000):

@@ -48,10 +48,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir
-from megatron_branchnorm.demo import DemoError, Status, prepare_data, run_logged
+from megatron_branchnorm.cli import OutputError, claim_output_dir, run_main
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.launch import CHECKOUT, tool_command
+from megatron_branchnorm.steps import Status, prepare_data, run_logged
 from megatron_branchnorm.tokens import lang_tag
 
 SRC, TGT = "src", "tgt"  # the one fairseq "language pair": tagged source -> target
@@ -341,7 +342,7 @@ def ours_result(run_dir: Path, scheme: str) -> dict[str, Any]:
     metrics = run_dir / "train" / "metrics.jsonl"
     if not final.is_file() or not metrics.is_file():
         raise SideBySideError(f"{run_dir}: no eval/final.json or train/metrics.jsonl")
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    rows = read_metrics(metrics.parent, strict=True)
     train_rows = [r for r in rows if "loss" in r]
     valid = [{"step": r["step"], "valid_loss": r["valid_loss"]} for r in rows if "valid_loss" in r]
     report = json.loads(final.read_text())
@@ -414,7 +415,7 @@ def report_lines(systems: dict[str, dict[str, Any]], minutes: float) -> list[str
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def _side_by_side(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/side"))
     parser.add_argument("--minutes", type=float, default=20.0, help="training budget (20)")
@@ -441,54 +442,53 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report")
     args = parser.parse_args(argv)
-    try:
-        if args.minutes <= 0:
-            raise SideBySideError(f"--minutes must be > 0, got {args.minutes}")
-        reuse = {}
-        for item in args.reuse:
-            scheme, sep, path = item.partition("=")
-            if not sep or not scheme or not path:
-                raise SideBySideError(f"--reuse {item!r}: expected SCHEME=DIR")
-            reuse[scheme] = Path(path)
-        from megatron_branchnorm.config import ConfigError, load_config
+    if args.minutes <= 0:
+        raise SideBySideError(f"--minutes must be > 0, got {args.minutes}")
+    reuse = {}
+    for item in args.reuse:
+        scheme, sep, path = item.partition("=")
+        if not sep or not scheme or not path:
+            raise SideBySideError(f"--reuse {item!r}: expected SCHEME=DIR")
+        reuse[scheme] = Path(path)
+    from megatron_branchnorm.config import ConfigError, load_config
 
-        try:
-            cfg = load_config(args.config, [])
-        except ConfigError as exc:
-            raise SideBySideError(str(exc)) from None
-        out = args.out.resolve()
-        parts = ("fairseq", "corpus", "data", "logs", "side_by_side.json", "report.md")
-        try:  # it replaces these on reruns: never a user's directory
-            claim_output_dir(
-                out, "fairseq_side_by_side", "side_by_side", parts, "side_by_side.json"
-            )
-        except OutputError as exc:
-            raise SideBySideError(str(exc)) from None
-        systems: dict[str, dict[str, Any]] = {}
-        if not args.report_only:
-            data = build_data(out, args.langs, args.vocab_size, args.from_demo)
-            if not args.no_fairseq:
-                systems["fairseq postln"] = run_fairseq(out, data, cfg, args)
-            for scheme in [s for s in args.schemes.split(",") if s]:
-                if scheme in reuse:
-                    systems[f"ours {scheme}"] = ours_result(reuse[scheme], scheme)
-                else:
-                    systems[f"ours {scheme}"] = run_ours(out, scheme, args)
-            saved = {"minutes": args.minutes, "config": args.config, "systems": systems}
-            (out / "side_by_side.json").write_text(json.dumps(saved, indent=1) + "\n")
-        else:
-            path = out / "side_by_side.json"
-            if not path.is_file():
-                raise SideBySideError(f"{path}: missing (run without --report-only first)")
-            saved = json.loads(path.read_text())
-            systems, args.minutes = saved["systems"], saved["minutes"]
-        lines = report_lines(systems, args.minutes)
-        (out / "report.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-    except (SideBySideError, DemoError) as exc:
-        print(f"fairseq_side_by_side: error: {exc}", file=sys.stderr)
-        return 1
+    try:
+        cfg = load_config(args.config, [])
+    except ConfigError as exc:
+        raise SideBySideError(str(exc)) from None
+    out = args.out.resolve()
+    parts = ("fairseq", "corpus", "data", "logs", "side_by_side.json", "report.md")
+    try:  # it replaces these on reruns: never a user's directory
+        claim_output_dir(out, "fairseq_side_by_side", "side_by_side", parts, "side_by_side.json")
+    except OutputError as exc:
+        raise SideBySideError(str(exc)) from None
+    systems: dict[str, dict[str, Any]] = {}
+    if not args.report_only:
+        data = build_data(out, args.langs, args.vocab_size, args.from_demo)
+        if not args.no_fairseq:
+            systems["fairseq postln"] = run_fairseq(out, data, cfg, args)
+        for scheme in [s for s in args.schemes.split(",") if s]:
+            if scheme in reuse:
+                systems[f"ours {scheme}"] = ours_result(reuse[scheme], scheme)
+            else:
+                systems[f"ours {scheme}"] = run_ours(out, scheme, args)
+        saved = {"minutes": args.minutes, "config": args.config, "systems": systems}
+        (out / "side_by_side.json").write_text(json.dumps(saved, indent=1) + "\n")
+    else:
+        path = out / "side_by_side.json"
+        if not path.is_file():
+            raise SideBySideError(f"{path}: missing (run without --report-only first)")
+        saved = json.loads(path.read_text())
+        systems, args.minutes = saved["systems"], saved["minutes"]
+    lines = report_lines(systems, args.minutes)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input or a failed step is one line ``error: ...`` and exit 2."""
+    return run_main(_side_by_side, argv)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,16 @@ from pathlib import Path
 
 import torch
 
-from megatron_branchnorm.inference.convert import LAYER_FILE
-from megatron_branchnorm.launch import CHECKOUT, free_port
-from megatron_branchnorm.rehearse import rank_env  # the environment srun + common.sh give
+from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.launch import (  # rank_env: the environment srun + common.sh give
+    CHECKOUT,
+    free_port,
+    rank_env,
+)
 
+INJECTOR = "megatron_branchnorm.experiments.fault_inject"
+"""The module a launch with a fault runs instead of megatron_branchnorm.train."""
 STEPS = 12
 """Length of the reference run; checkpoints every 4 (reference) or 2 (fault runs) updates."""
 BASE = [
@@ -49,18 +55,19 @@ data-parallel split must not change what an update computes."""
 def launch(
     save_dir: Path, overrides: list[str], log_dir: Path, fault: str = "", world: int = 2
 ) -> list[subprocess.Popen]:
-    """Start ``world`` train.py ranks (as srun would) with BASE + overrides; ``fault`` goes
-    to MBN_FAULT_INJECT."""
+    """Start ``world`` ranks (as srun would) with BASE + overrides: train.py's main, or with a
+    ``fault`` (MBN_FAULT_INJECT's spec) the fault injector around it (fault_inject.py)."""
     port = free_port()
     procs = []
     log_dir.mkdir(parents=True, exist_ok=True)
     for r in range(world):
         env = rank_env(r, world, port)
-        env.pop("MBN_FAULT_INJECT", None)
+        env.pop(FAULT_ENV, None)
         if fault:
-            env["MBN_FAULT_INJECT"] = fault
+            env[FAULT_ENV] = fault
         log = open(log_dir / f"rank{r}.log", "a")
-        args = ["-m", "megatron_branchnorm.train", "--config", "tiny_cpu", *BASE]
+        module = INJECTOR if fault else "megatron_branchnorm.train"
+        args = ["-m", module, "--config", "tiny_cpu", *BASE]
         args += [f"train.save_dir={save_dir}", *overrides]
         procs.append(
             subprocess.Popen(
@@ -135,10 +142,7 @@ def kill_hard_when(
 def param_hash(tag_dir: Path) -> str:
     """SHA-256 over every tensor of a checkpoint's layer files (index order, sorted keys)."""
     digest = hashlib.sha256()
-    files = sorted(
-        (int(m.group(1)), p) for p in tag_dir.iterdir() if (m := LAYER_FILE.match(p.name))
-    )
-    for idx, path in files:
+    for idx, path in sorted(ckpt.layer_files(tag_dir).items()):
         state = torch.load(path, map_location="cpu", weights_only=True)
         for key in sorted(state):
             digest.update(f"{idx}.{key}".encode())
@@ -174,7 +178,7 @@ def assert_matches_reference(run: Path, ref: Path, steps: int = STEPS) -> None:
     for step in got:
         for key in COMPARED:
             assert got[step][key] == want[step][key], (step, key)
-    tag = f"global_step{steps}"
+    tag = ckpt.tag_for(steps)
     assert param_hash(run / tag) == param_hash(ref / tag)
 
 

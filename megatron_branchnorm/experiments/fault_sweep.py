@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import OutputError, claim_output_dir
+from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
 from megatron_branchnorm.experiments.fault_runs import (
     kill_hard_when,
     last_by_step,
@@ -33,7 +33,7 @@ from megatron_branchnorm.experiments.fault_runs import (
     records,
     wait_all,
 )
-from megatron_branchnorm.training.faults import SAVE_POINTS
+from megatron_branchnorm.formats import checkpoint as ckpt
 
 
 def reference(out: Path, steps: int, world: int = 2) -> Path:

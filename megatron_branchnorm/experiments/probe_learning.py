@@ -28,19 +28,25 @@ from pathlib import Path
 
 import torch
 
-from megatron_branchnorm.analysis import source_dependence
-from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import BatchSampler, TranslationData
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.experiments.analysis import source_dependence
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
+
+
+class ProbeError(UserError, ValueError):
+    """A bad --variant (a one-line message)."""
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``name=key=value;key=value`` (or ``name=`` for the config as it is) -> (name, overrides)."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
-        raise ValueError(f"--variant {text!r}: expected NAME=key=value;key=value (or NAME=)")
+        raise ProbeError(f"--variant {text!r}: expected NAME=key=value;key=value (or NAME=)")
     return name, [x for x in rest.split(";") if x]
 
 
@@ -138,7 +144,7 @@ def run_variant(job: dict) -> list[dict]:
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
+def _probe(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="demo_cpu", help="config name or YAML path")
     p.add_argument("--data", required=True, help="preprocessed DATA_DIR")
@@ -154,13 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: cores/jobs)")
     p.add_argument("--output", help="JSON lines of every record")
     a = p.parse_args(argv)
-    try:
-        variants = [parse_variant(v) for v in a.variant] or [("base", [])]
-        for _, overrides in variants:  # fail before any training starts
-            load_config(a.config, [f"data.dataset={a.data}", *overrides])
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    variants = [parse_variant(v) for v in a.variant] or [("base", [])]
+    for _, overrides in variants:  # fail before any training starts
+        load_config(a.config, [f"data.dataset={a.data}", *overrides])
     threads = a.threads or max(1, len(os.sched_getaffinity(0)) // a.jobs)
     jobs = [
         {
@@ -198,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {r['seconds']:7.0f}"
             )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check every variant's config before any training; bad input is one line ``error: ...``
+    and exit 2."""
+    return run_main(_probe, argv)
 
 
 if __name__ == "__main__":

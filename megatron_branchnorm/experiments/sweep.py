@@ -37,13 +37,22 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.cli import (
+    ArgumentParser,
+    check_output_file,
+    check_parent_dir,
+    quote,
+    run_main,
+    write_text_output,
+)
 from megatron_branchnorm.config import CONFIG_DIR
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.records import read_metrics, valid_bleus
 from megatron_branchnorm.paper import (
     TASKS,
     PaperError,
@@ -52,11 +61,16 @@ from megatron_branchnorm.paper import (
     published_rows,
     read_published,
 )
-from megatron_branchnorm.training.metrics import read_metrics, training_rows, valid_bleus
+from megatron_branchnorm.training.metrics import training_rows
 
 SWEEP_FILE = "sweep.json"
 RECIPE_LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "recipe.sh"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
+MAX_DEPTH = 1000
+"""Deepest N of an N-N cell: the paper's deepest models have 1,000 layers a side; a larger
+``--depths`` is a typo, refused before anything is submitted."""
+MAX_SWEEP_BYTES = 16 << 20
+"""Largest sweep.json read (a registry of a few hundred cells is ~100 KB)."""
 
 
 class SweepError(UserError, ValueError):
@@ -95,9 +109,18 @@ def submit(
         raise SweepError(f"--launcher {launcher}: no such file")
     if task is not None:
         recipe_configs(task, depths)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--out {out}: is not a directory (the sweep's directory is expected)")
+    check_parent_dir(out, "--out")
+    job_path = (os.environ if env is None else env).get("PATH", os.defpath)
+    if shutil.which("sbatch", path=job_path) is None:
+        raise SweepError(
+            "sbatch: not found on PATH; submit runs on a SLURM login node (or with "
+            "tools/local_slurm.py's cluster on PATH)"
+        )
     path = out / SWEEP_FILE
-    sweep = json.loads(path.read_text()) if path.is_file() else {"cells": {}}
+    sweep = read_sweep(path) if path.is_file() else {"cells": {}}
+    out.mkdir(parents=True, exist_ok=True)
     if task is not None and sweep.get("task", task) != task:
         raise SweepError(f"--task {task}: {path} is a sweep of task {sweep['task']}")
     if task is not None:
@@ -141,6 +164,33 @@ def submit(
             print(f"{name}: job {job}", flush=True)
     path.write_text(json.dumps(sweep, indent=1) + "\n")
     return sweep
+
+
+def read_sweep(path: Path) -> dict[str, Any]:
+    """OUT/sweep.json, the job registry: ``{"cells": {name: {"scheme", "depth", "save_dir",
+    ...}}, "task"?}``; a damaged or foreign file is a one-line SweepError naming it."""
+
+    def damaged(why: str) -> SweepError:
+        return SweepError(f"{path}: not a sweep registry ({why}); restore it or submit anew")
+
+    try:
+        if path.stat().st_size > MAX_SWEEP_BYTES:
+            raise damaged(f"over {MAX_SWEEP_BYTES:,} bytes")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise damaged(f"invalid JSON: {' '.join(str(exc).split())[:200]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
+        raise damaged('expected an object with "cells"')
+    if data.get("task") is not None and not isinstance(data["task"], str):
+        raise damaged(f'"task" is {quote(data["task"])}')
+    for name, cell in data["cells"].items():
+        if not isinstance(cell, dict):
+            raise damaged(f"cell {quote(name)} is not an object")
+        for key, kind in (("scheme", str), ("save_dir", str), ("depth", int)):
+            value = cell.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise damaged(f"cell {quote(name)}: {key} is {quote(value)}")
+    return data
 
 
 def recipe_configs(task: str, depths: list[int]) -> list[str]:
@@ -188,7 +238,7 @@ def collect(out: Path, metric: str) -> dict[str, Any]:
     path = out / SWEEP_FILE
     if not path.is_file():
         raise SweepError(f"{path}: missing (run `sweep.py submit` first)")
-    sweep = json.loads(path.read_text())
+    sweep = read_sweep(path)
     cells = {}
     for name, cell in sweep["cells"].items():
         cells[name] = {**cell, **cell_result(Path(cell["save_dir"]), metric)}
@@ -265,13 +315,24 @@ def paper_figures(
     if not Path(name).is_file():
         raise SweepError(f"--paper {name}: neither a task ({', '.join(TASKS)}) nor a file")
     try:
-        return read_published(name), f"paper: {name}"
+        figures = read_published(name)
+        raw = json.loads(Path(name).read_text(encoding="utf-8"))
     except PaperError as exc:
         raise SweepError(f"--paper {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise SweepError(f"--paper {name}: {exc}") from None
+    for scheme, row in raw.items():
+        for depth, value in row.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise SweepError(
+                    f"--paper {name}: {scheme} at depth {depth} is {quote(value)}; expected "
+                    'a number or a string such as "29.x" or "diverged"'
+                )
+    return figures, f"paper: {name}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", help="submit one job per (scheme, depth)")
     s.add_argument(
@@ -315,46 +376,54 @@ def _int_list(text: str, flag: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise SweepError(f"{flag} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise SweepError(f"{flag} {text!r}: expected depths >= 1")
+    if not values or min(values) < 1 or max(values) > MAX_DEPTH:
+        raise SweepError(f"{flag} {quote(text)}: expected depths in [1, {MAX_DEPTH}]")
     return values
 
 
 def main(argv: list[str] | None = None) -> int:
+    """tools/sweep.py: its errors one line and exit 2 (:func:`cli.run_main`)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.command == "submit":
-            schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-            unknown = [s for s in schemes if s not in SCHEMES]
-            if unknown or not schemes:
-                raise SweepError(f"--schemes: unknown {', '.join(unknown)} ({', '.join(SCHEMES)})")
-            depths = _int_list(args.depths, "--depths")
-            if args.launcher is None and args.task is None:
-                raise SweepError("--launcher: required without --task")
-            submit(
-                Path(args.launcher) if args.launcher else RECIPE_LAUNCHER,
-                schemes,
-                depths,
-                Path(args.out),
-                args.extra.split(),
-                args.sbatch.split(),
-                resubmit=tuple(x.strip() for x in args.resubmit.split(",") if x.strip()),
-                task=args.task,
-            )
-            return 0
-        result = collect(Path(args.out), args.metric)
-        paper, source = paper_figures(args.paper, result["task"])
-        table = format_table(result, paper, source)
-        print(table)
-        if args.markdown:
-            Path(args.markdown).write_text(table + "\n", encoding="utf-8")
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.command == "submit":
+        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+        unknown = [s for s in schemes if s not in SCHEMES]
+        if unknown or not schemes:
+            raise SweepError(f"--schemes: unknown {', '.join(unknown)} ({', '.join(SCHEMES)})")
+        depths = _int_list(args.depths, "--depths")
+        if args.launcher is None and args.task is None:
+            raise SweepError("--launcher: required without --task")
+        submit(
+            Path(args.launcher) if args.launcher else RECIPE_LAUNCHER,
+            schemes,
+            depths,
+            Path(args.out),
+            args.extra.split(),
+            args.sbatch.split(),
+            resubmit=tuple(x.strip() for x in args.resubmit.split(",") if x.strip()),
+            task=args.task,
+        )
         return 0
-    except SweepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    result = collect(Path(args.out), args.metric)
+    paper, source = paper_figures(args.paper, result["task"])
+    # The outputs must not replace the job registry, a cell's run, or each other.
+    inputs = [("the registry", Path(args.out) / SWEEP_FILE)]
+    inputs += [(f"cell {n}", c["save_dir"]) for n, c in result["cells"].items()]
+    if args.markdown:
+        check_output_file(args.markdown, "--markdown", inputs)
+    if args.json:
+        check_output_file(args.json, "--json", [*inputs, ("--markdown", args.markdown)])
+    table = format_table(result, paper, source)
+    print(table)
+    if args.markdown:
+        write_text_output(args.markdown, table + "\n")
+    if args.json:
+        write_text_output(args.json, json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

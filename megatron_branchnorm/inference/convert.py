@@ -18,34 +18,25 @@ data-parallel rank (:func:`read_master_weights`). Exports and re-laid checkpoint
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.checkpoint import SPM_IN_CHECKPOINT, TRAIN_CONFIG
+from megatron_branchnorm.formats.data_dir import MANIFEST, DataManifest, read_data_manifest
+from megatron_branchnorm.formats.records import BEST_FILE, read_best, read_best_ids
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.partition import (
     engine_param_to_flat_key,
     partition_plan,
     pipe_to_flat_key,
 )
-from megatron_branchnorm.retention import BEST_FILE
-
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
-BF16_OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-"""DeepSpeed's BF16 optimizer state of one (data-parallel rank, stage): a flat fp32 partition
-of the stage's parameters per group and, per group, where each parameter lies in it."""
-SPM_IN_CHECKPOINT = "spm.model"
-"""The training SentencePiece model's copy in a checkpoint tag (written by the trainer)."""
-DATA_MANIFEST = "manifest.json"
-MAX_JSON_BYTES = 64 << 20
-"""Largest train_config.json / manifest.json read (ours are a few KB to a few MB)."""
 
 
 class ConvertError(UserError, ValueError):
@@ -53,17 +44,22 @@ class ConvertError(UserError, ValueError):
 
 
 def best_tags(save_dir: Path) -> list[str]:
-    """The checkpoints ``save_dir/best.json`` names, best first (train.keep_best)."""
+    """The checkpoints ``save_dir/best.json`` names, best first (train.keep_best). Each must
+    still be the checkpoint that was ranked: a tag rewritten since (a rollback trained again)
+    has another checkpoint id, and its rank is stale until the trainer's next save writes
+    best.json again (an older best.json records no ids and is taken as it is)."""
     path = save_dir / BEST_FILE
-    if not path.is_file():
-        raise ConvertError(f"{path}: missing (the run did not track its best checkpoints: train.keep_best)")  # fmt: skip
-    try:
-        tags = [str(c["tag"]) for c in _read_json(path)["checkpoints"]]
-    except (KeyError, TypeError):
-        raise ConvertError(f"{path}: expected {{'checkpoints': [{{'tag': ...}}, ...]}}") from None
+    tags = read_best(save_dir)
+    ids = read_best_ids(save_dir)
     for t in tags:
         if ckpt.tag_step(t) is None or not (save_dir / t / ckpt.MANIFEST).is_file():
             raise ConvertError(f"{path}: names {quote(t)}, not a complete checkpoint of {save_dir}")
+        if t in ids and ckpt.checkpoint_id(save_dir / t) != ids[t]:
+            raise ConvertError(
+                f"{path}: ranks a {t} that has been rewritten since (its {ckpt.MANIFEST} "
+                "changed, e.g. a rollback trained again): the ranking is stale until the "
+                "trainer's next save; name a --tag instead"
+            )
     return tags
 
 
@@ -92,16 +88,15 @@ def resolve_tags(
             raise ConvertError(f"{save_dir}: best.json names no checkpoint yet")
         tag = best[0]
     if tag is None:
-        try:
-            tag = ckpt.read_latest(save_dir)
-        except ckpt.CheckpointError as exc:
-            raise ConvertError(str(exc)) from None
+        tag = ckpt.read_latest(save_dir)
         if tag is None:
-            raise ConvertError(f"{save_dir}: no checkpoint (no 'latest' file)")
-        if ckpt.tag_step(tag) is None:
-            raise ConvertError(f"{save_dir / 'latest'}: names {quote(tag)}, not a global_stepN tag")
-    elif ckpt.tag_step(tag) is None:
-        raise ConvertError(f"--tag {quote(tag)}: expected a tag like global_step4000")
+            raise ConvertError(f"{save_dir}: no checkpoint (no {ckpt.LATEST!r} file)")
+        if not ckpt.is_tag(tag):
+            raise ConvertError(
+                f"{save_dir / ckpt.LATEST}: names {quote(tag)}, not a {ckpt.TAG_PREFIX}N tag"
+            )
+    elif not ckpt.is_tag(tag):
+        raise ConvertError(f"--tag {quote(tag)}: expected a tag like {ckpt.tag_for(4000)}")
     if not (save_dir / tag).is_dir():
         raise ConvertError(f"{save_dir / tag}: no such checkpoint")
     if average_last == 1:
@@ -118,33 +113,12 @@ def resolve_tags(
     return [ckpt.tag_for(s) for s in complete[-average_last:]]
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from ``path`` (our own small files); ConvertError naming it otherwise."""
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ConvertError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not ours")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConvertError(f"{path}: missing") from None
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConvertError(f"{path}: unreadable ({one_line(reason, 300)})") from None
-    if not isinstance(data, dict):
-        raise ConvertError(f"{path}: not a JSON object")
-    return data
-
-
-def read_train_config(tag_dir: Path) -> dict:
-    """``train_config.json`` of a checkpoint tag (the trainer's client state)."""
-    return _read_json(Path(tag_dir) / "train_config.json")
-
-
 def dataset_of(tag_dir: Path) -> str | None:
     """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
     config cannot be read: the caller reports that when it loads the checkpoint)."""
     try:
-        data = read_train_config(tag_dir)["config"]["data"]["dataset"]
-    except (ConvertError, KeyError, TypeError):
+        data = ckpt.read_train_config(tag_dir)["config"]["data"]["dataset"]
+    except (ckpt.CheckpointError, KeyError, TypeError):
         return None
     return data if isinstance(data, str) and data and data != "synthetic" else None
 
@@ -152,86 +126,15 @@ def dataset_of(tag_dir: Path) -> str | None:
 def read_checkpoint(
     tag_dir: Path, verify: bool = True, indices: set[int] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(saved training info, flat state dict) of one checkpoint directory, verified against
-    its checksums unless the caller already did (``verify=False``); with ``indices``, only
-    the layer files of those layer-list indices are read."""
-    if verify:
-        try:
-            ckpt.verify_checkpoint(tag_dir)
-        except ckpt.CheckpointError as exc:
-            raise ConvertError(str(exc)) from None
-    info = read_train_config(tag_dir)
-    info_path = tag_dir / "train_config.json"
-    try:
-        names = {int(k): str(v) for k, v in info["spec_names"].items()}
-    except (KeyError, AttributeError, TypeError, ValueError):
-        raise ConvertError(f"{info_path}: key spec_names is missing or malformed") from None
-    state: dict[str, torch.Tensor] = {}
-    for path in tag_dir.iterdir():
-        match = LAYER_FILE.match(path.name)
-        if not match:
-            continue
-        idx = int(match.group(1))
-        if idx not in names:
-            raise ConvertError(f"{path}: layer index {idx} is not in the saved layout")
-        if indices is not None and idx not in indices:
-            continue
-        try:
-            layer = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-            raise ConvertError(f"{path}: cannot read layer file: {exc}") from None
-        for key, value in layer.items():
-            state[pipe_to_flat_key(names[idx], key)] = value.float()
-    return info, state
+    """(``train_config.json``, flat state dict) of one checkpoint directory
+    (:func:`megatron_branchnorm.formats.checkpoint.read_checkpoint` with the flat model's keys)."""
+    return ckpt.read_checkpoint(tag_dir, pipe_to_flat_key, verify=verify, indices=indices)
 
 
 def read_master_weights(tag_dir: Path, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a bf16 checkpoint as flat keys (1-D: the caller shapes
-    them like the layer files' tensors); {} when the checkpoint has none (fp32, fp16).
-
-    Each stage's parameters are flattened and split over its data-parallel ranks in rank
-    order; ``param_slice_mappings`` says where each parameter's piece lies in a rank's
-    partition, so a parameter is the concatenation of its pieces over the ranks. The tied
-    embedding is held by the first and the last stage with the same values: the first
-    stage's copy is taken.
-    """
-    files: dict[int, dict[int, Path]] = {}
-    for path in tag_dir.iterdir():
-        match = BF16_OPTIM_FILE.match(path.name)
-        if match:
-            files.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
-    if not files:
-        return {}
-    # the one non-tensor type in these files (weights_only=True refuses anything else)
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    state: dict[str, torch.Tensor] = {}
-    for stage in sorted(files):
-        pieces: dict[str, list[torch.Tensor]] = {}
-        for dp in sorted(files[stage]):
-            path = files[stage][dp]
-            try:
-                with torch.serialization.safe_globals([fragment_address]):
-                    saved = torch.load(path, map_location="cpu", weights_only=True)
-                opt = saved["optimizer_state_dict"]
-                groups = zip(
-                    opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"], strict=True
-                )
-                for flat, mapping in groups:
-                    for name, addr in mapping.items():
-                        pieces.setdefault(name, []).append(flat.narrow(0, addr.start, addr.numel))
-            except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-                raise ConvertError(
-                    f"{path}: cannot read bf16 master weights: {one_line(str(exc), 300)}"
-                ) from None
-        for name, parts in pieces.items():
-            try:
-                key = engine_param_to_flat_key(name, names)
-            except KeyError:
-                idx = name.split(".", 1)[0]
-                raise ConvertError(f"{files[stage][0]}: layer {idx} is not in the layout") from None
-            state.setdefault(key, torch.cat(parts))
-    return state
+    """The fp32 master weights of a bf16 checkpoint by the flat model's keys; {} when it has
+    none (:func:`megatron_branchnorm.formats.checkpoint.read_master_weights`)."""
+    return ckpt.read_master_weights(tag_dir, lambda name: engine_param_to_flat_key(name, names))
 
 
 def _apply_master_weights(
@@ -266,14 +169,14 @@ def load_pipeline_checkpoint(
     masters = []
     for t in tags:
         info, state = read_checkpoint(save_dir / t)
-        names = {int(k): str(v) for k, v in info["spec_names"].items()}
+        names = ckpt.saved_spec_names(save_dir / t, info)
         masters.append(_apply_master_weights(save_dir / t, names, state))
         infos.append(info)
         states.append(state)
     try:
         cfg = config_from_dict(infos[-1]["config"])
     except (KeyError, ConfigError) as exc:
-        where = save_dir / tags[-1] / "train_config.json"
+        where = save_dir / tags[-1] / TRAIN_CONFIG
         raise ConvertError(f"{where}: bad config: {one_line(str(exc), 300)}") from None
     model = build_model(cfg.model, seed=cfg.train.seed)
     if len(states) > 1:
@@ -341,7 +244,7 @@ def _recorded_vocab(tag_dir: Path, info: dict) -> dict | None:
     sha = vocab.get("spm_sha256") if isinstance(vocab, dict) else None
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise ConvertError(
-            f"{tag_dir / 'train_config.json'}: key vocab must be null or hold spm_sha256 (64 "
+            f"{tag_dir / TRAIN_CONFIG}: key vocab must be null or hold spm_sha256 (64 "
             f"hex digits), got {quote(vocab)}"
         )
     return vocab
@@ -363,32 +266,19 @@ def _spm_languages(path: Path) -> list[str]:
     return sorted(langs)
 
 
-def data_spm_model(data_dir: str | Path) -> tuple[Path | None, dict, str | None]:
-    """(the DATA_DIR's SentencePiece model or None, its manifest or {}, why it is None).
+def data_spm_model(data_dir: str | Path) -> tuple[Path | None, DataManifest | None, str | None]:
+    """(the DATA_DIR's SentencePiece model or None, its manifest or None, why it is None).
 
-    The manifest's ``spm_model`` must be a plain file name inside DATA_DIR: a manifest never
-    makes us copy another file of the machine into an export."""
-    data_dir = Path(data_dir)
-    manifest_path = data_dir / DATA_MANIFEST
+    The manifest's ``spm_model`` must be a plain file name inside DATA_DIR (the manifest
+    reader's rule): a manifest never makes us copy another file of the machine into an export."""
+    manifest_path = Path(data_dir) / MANIFEST
     if not manifest_path.is_file():
-        return None, {}, f"{manifest_path}: missing"
-    manifest = _read_json(manifest_path)
-    name = manifest.get("spm_model", "spm.model")
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or Path(name).name != name
-        or "\\" in name
-        or "\x00" in name
-    ):
-        raise ConvertError(
-            f"{manifest_path}: key spm_model must be a file name inside {data_dir}, "
-            f"got {quote(name)}"
-        )
-    path = data_dir / name
-    if not path.is_file():
-        return None, manifest, f"{path}: missing (named by {manifest_path} key spm_model)"
-    return path, manifest, None
+        return None, None, f"{manifest_path}: missing"
+    manifest = read_data_manifest(data_dir)
+    if not manifest.spm_path.is_file():
+        why = f"{manifest.spm_path}: missing (named by {manifest_path} key spm_model)"
+        return None, manifest, why
+    return manifest.spm_path, manifest, None
 
 
 def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
@@ -401,7 +291,7 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
     (no ``vocab`` key) falls back to DATA_DIR's model, which cannot be checked: a warning
     says so. ``vocab: null`` is synthetic data (no vocabulary)."""
     save_dir = Path(save_dir)
-    infos = {t: read_train_config(save_dir / t) for t in tags}
+    infos = {t: ckpt.read_train_config(save_dir / t) for t in tags}
     records = {t: _recorded_vocab(save_dir / t, i) for t, i in infos.items() if "vocab" in i}
     seen: dict[str | None, str] = {}
     for t, vocab in records.items():
@@ -436,14 +326,14 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
                 if actual != expected:
                     raise ConvertError(
                         f"{path}: sha256 {_short(actual)} is not the vocabulary recorded in "
-                        f"{save_dir / t / 'train_config.json'} (vocab.spm_sha256 "
+                        f"{save_dir / t / TRAIN_CONFIG} (vocab.spm_sha256 "
                         f"{_short(expected)})"
                     )
                 out.spm_path, out.spm_sha256, out.source = path, actual, "checkpoint"
                 out.languages = _spm_languages(path)
                 return out
         # Recorded but no copy kept: DATA_DIR's model, if it is the recorded one.
-        path, manifest, why = data_spm_model(data) if data else (None, {}, "no data.dataset")
+        path, manifest, why = data_spm_model(data) if data else (None, None, "no data.dataset")
         if path is None:
             out.warnings.append(
                 f"{save_dir / ref_tag}: no {SPM_IN_CHECKPOINT} and {why}: exporting without "
@@ -454,12 +344,12 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
         if actual != expected:
             raise ConvertError(
                 f"{path}: not the vocabulary the checkpoint was trained with (sha256 "
-                f"{_short(actual)}, {save_dir / ref_tag / 'train_config.json'} records "
+                f"{_short(actual)}, {save_dir / ref_tag / TRAIN_CONFIG} records "
                 f"{_short(expected)}; was {data} preprocessed again?) and "
                 f"{save_dir / ref_tag} has no {SPM_IN_CHECKPOINT} of its own"
             )
         out.spm_path, out.spm_sha256, out.source = path, actual, "data"
-        out.languages = _manifest_languages(manifest) or _spm_languages(path)
+        out.languages = list(manifest.languages) or _spm_languages(path)
         return out
     # An older checkpoint: no record of its vocabulary.
     if data is None:
@@ -472,15 +362,15 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
         )
         return out
     model_vocab = _model_vocab_size(infos[last])
-    data_vocab = manifest.get("vocab_size")
+    data_vocab = manifest.vocab_size
     if isinstance(model_vocab, int) and isinstance(data_vocab, int) and model_vocab != data_vocab:
         raise ConvertError(
-            f"{Path(data) / DATA_MANIFEST}: vocab_size {data_vocab}, but the checkpoint's model "
+            f"{manifest.path}: vocab_size {data_vocab}, but the checkpoint's model "
             f"has {model_vocab}: {data} was preprocessed again after training, and "
             f"{save_dir / last} has no {SPM_IN_CHECKPOINT} of its own"
         )
     out.spm_path, out.spm_sha256, out.source = path, ckpt.sha256_file(path), "data-unchecked"
-    out.languages = _manifest_languages(manifest)
+    out.languages = list(manifest.languages)
     out.warnings.append(
         f"{save_dir / last} records no vocabulary (a checkpoint from before spm.model was "
         f"saved with the weights): exporting {path}, which could not be checked against them"
@@ -490,13 +380,6 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
 
 def _short(sha: str | None) -> str:
     return "none (synthetic data)" if sha is None else f"{sha[:12]}..."
-
-
-def _manifest_languages(manifest: dict) -> list[str]:
-    langs = manifest.get("languages")
-    if isinstance(langs, list) and all(isinstance(x, str) for x in langs):
-        return list(langs)
-    return []
 
 
 def _model_vocab_size(info: dict) -> int | None:
@@ -555,14 +438,14 @@ def repartition_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         (tmp / tag).mkdir(parents=True)
-        names = {int(k): str(v) for k, v in info["spec_names"].items()}
+        names = ckpt.saved_spec_names(src, info)
         master = read_master_weights(src, names)  # bf16: the optimizer files stay behind
         for path in src.iterdir():
-            if path.name == SPM_IN_CHECKPOINT or (LAYER_FILE.match(path.name) and not master):
+            idx = ckpt.layer_index(path.name)
+            if path.name == SPM_IN_CHECKPOINT or (idx is not None and not master):
                 shutil.copyfile(path, tmp / tag / path.name)
-            elif LAYER_FILE.match(path.name):  # the layer file with its fp32 master weights
-                idx = int(LAYER_FILE.match(path.name).group(1))
-                layer = torch.load(path, map_location="cpu", weights_only=True)
+            elif idx is not None:  # the layer file with its fp32 master weights
+                layer = ckpt.read_layer_file(path)
                 for key, value in layer.items():
                     exact = master[pipe_to_flat_key(names[idx], key)]
                     layer[key] = exact.view(value.shape).clone()
@@ -571,9 +454,7 @@ def repartition_checkpoint(
         info["repartitioned"] = True
         info["config"]["pipeline"]["stages"] = stages
         info["config"]["pipeline"]["partition"] = method
-        (tmp / tag / "train_config.json").write_text(
-            json.dumps(info, indent=1, sort_keys=True), encoding="utf-8"
-        )
+        ckpt.write_train_config(tmp / tag, info)
         ckpt.write_manifest(tmp / tag, int(info["step"]))
         ckpt.write_latest(tmp, tag)
         if out_dir.exists():

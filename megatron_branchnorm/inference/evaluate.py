@@ -21,7 +21,6 @@ two non-pivot languages (zero-shot), when the manifest has references for them, 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,9 +39,8 @@ from megatron_branchnorm.cli import (
     write_text_output,
 )
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.data_dir import read_data_manifest
 from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
-
-MANIFEST = "manifest.json"
 
 
 class EvaluationError(UserError, ValueError):
@@ -63,62 +61,21 @@ class DirectionData:
         return f"{self.src_lang}-{self.tgt_lang}"
 
 
-def _read_manifest(data_dir: Path) -> dict[str, Any]:
-    path = data_dir / MANIFEST
-    if not path.is_file():
-        raise EvaluationError(f"{path}: missing (not a preprocessed DATA_DIR?)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EvaluationError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise EvaluationError(f"{path}: expected a JSON object")
-    return manifest
-
-
 def references_from_manifest(data_dir: str | Path, split: str) -> dict[str, DirectionData]:
     """{"de-en": DirectionData, ...} for every direction with references in ``split``.
 
     Reads ``manifest["splits"][split]["references"]`` (each entry ``{"src": path, "tgt":
-    path}``, relative to DATA_DIR). Missing files are errors naming them.
+    path}``, relative to DATA_DIR) through the manifest's one reader
+    (:meth:`megatron_branchnorm.formats.data_dir.DataManifest.references`); missing files are
+    errors naming them.
     """
-    data_dir = Path(data_dir)
-    manifest = _read_manifest(data_dir)
-    where = data_dir / MANIFEST
-    splits = manifest.get("splits")
-    if not isinstance(splits, dict):
-        raise EvaluationError(f"{where}: no 'splits' section")
-    if split not in splits:
-        known = ", ".join(
-            s for s in splits if isinstance(splits[s], dict) and "references" in splits[s]
-        )
-        raise EvaluationError(
-            f"{where}: no split {split!r} (splits with references: {known or 'none'})"
-        )
-    refs = splits[split].get("references") if isinstance(splits[split], dict) else None
-    if not isinstance(refs, dict) or not refs:
-        raise EvaluationError(f"{where}: split {split!r} has no references")
-    out: dict[str, DirectionData] = {}
-    for name, entry in sorted(refs.items()):
-        parts = name.split("-")
-        if len(parts) != 2 or not all(parts) or not isinstance(entry, dict):
-            raise EvaluationError(f"{where}: bad reference entry {name!r} in split {split!r}")
-        try:
-            src, ref = data_dir / entry["src"], data_dir / entry["tgt"]
-        except (KeyError, TypeError):
-            raise EvaluationError(
-                f"{where}: reference {name!r} needs 'src' and 'tgt' paths"
-            ) from None
-        for path in (src, ref):
-            if not path.is_file():
-                raise EvaluationError(f"{path}: missing (listed in {where} for {split} {name})")
-        out[name] = DirectionData(parts[0], parts[1], src, ref)
-    return out
+    refs = read_data_manifest(data_dir).references(split)
+    return {name: DirectionData(r.src_lang, r.tgt_lang, r.src, r.tgt) for name, r in refs.items()}
 
 
 def pivot_language(data_dir: str | Path) -> str:
     """The pivot language of a DATA_DIR (manifest ``pivot``; English when not recorded)."""
-    return str(_read_manifest(Path(data_dir)).get("pivot", "en"))
+    return read_data_manifest(data_dir).pivot
 
 
 @cache
@@ -210,7 +167,7 @@ def choose_scoring(args, data_dir: str | Path) -> tuple[Scoring, dict[str, Any]]
         return Scoring.from_args(args), {"task": None, "chosen_by": "the scoring flags given"}
     task, why = args.task, "--task"
     if task == "auto":
-        task, why = task_of_data(_read_manifest(Path(data_dir)))
+        task, why = task_of_data(read_data_manifest(data_dir).raw)
     if task in (None, "none"):
         return Scoring(), {"task": None, "chosen_by": f"default ({why})"}
     try:

@@ -29,7 +29,6 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megatron_branchnorm.checkpoint import sha256_file
 from megatron_branchnorm.cli import (
     OutputError,
     json_has_format,
@@ -44,6 +43,7 @@ from megatron_branchnorm.cli import (
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.checkpoint import sha256_file
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded

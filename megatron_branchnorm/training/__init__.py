@@ -10,7 +10,7 @@ decides for itself when it is due; :class:`trainer.Trainer` only calls them.
 - ``metrics``: ``metrics.jsonl`` (its one writer and one reader), console, TensorBoard;
 - ``stopping``: signals, the time budget, errors of one rank, non-finite updates;
 - ``grad_norm``: the all-stage gradient norm and the skip of non-finite updates (fp32);
-- ``faults``: test-only fault injection, a no-op unless its variable is set;
+- ``state``: the training position (step, samples) that a checkpoint saves and restores;
 - ``exit_codes``: the process exit codes (no torch import).
 
 Only ``metrics`` and ``exit_codes`` can be imported without torch.

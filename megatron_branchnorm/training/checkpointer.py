@@ -1,10 +1,9 @@
 """Checkpoints of a run: save (``latest`` moves only once a checkpoint is complete), retention,
 and resume: the same layout exactly, or another stage layout layer by layer
-(docs/design.md §6; the on-disk format: megatron_branchnorm/checkpoint.py)."""
+(docs/design.md §6; the on-disk format: megatron_branchnorm/formats/checkpoint.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -15,20 +14,17 @@ from pathlib import Path
 
 import torch
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import resume_policy, retention
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
-from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names
+from megatron_branchnorm.partition import engine_param_to_flat_key, pipe_to_flat_key, spec_names
 from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training.data import TrainStream
 from megatron_branchnorm.training.ds_config import precision_of
-from megatron_branchnorm.training.faults import Faults
+from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import agree_or_raise
-
-SPM_IN_CHECKPOINT = "spm.model"
-"""The training SentencePiece model's copy in every checkpoint tag directory."""
 
 
 def check_writable(save_dir: Path) -> None:
@@ -48,13 +44,15 @@ def check_writable(save_dir: Path) -> None:
 
 class Checkpointer:
     """Saves and resumes this rank's part of the run: its DeepSpeed engine's files, its RNG
-    state, and (rank 0) the run's manifest, config and ``latest``."""
+    state, and (rank 0) the run's manifest, config and ``latest``. The training position is
+    the Trainer's ``state``: a save records it, a resume sets it."""
 
     def __init__(
         self,
         cfg: ExperimentConfig,
         rank: int,
         world: int,
+        state: TrainState,
         *,
         engine,
         optimizer: torch.optim.Optimizer,
@@ -64,7 +62,6 @@ class Checkpointer:
         ds_config: dict,
         vocab: dict | None,
         data_manifest_sha256: str | None,
-        faults: Faults,
         log: Callable[[str], None],
     ) -> None:
         self.cfg = cfg
@@ -77,10 +74,8 @@ class Checkpointer:
         self.ds_config = ds_config
         self.vocab = vocab
         self.data_manifest_sha256 = data_manifest_sha256
-        self.faults = faults
+        self.state = state
         self.log = log
-        self.step = 0  # the training position a save records and a resume restores
-        self.samples = 0
         self.save_error: str | None = None  # this rank's part of the save in progress failed
         self.resumed_from: str | None = None
         self.config_changes: dict[str, list] = {}
@@ -92,15 +87,15 @@ class Checkpointer:
         interval = self.cfg.train.save_interval
         return bool(interval) and step % interval == 0
 
-    def save_if_missing(self, step: int, samples: int) -> None:
+    def save_if_missing(self) -> None:
         """The end of training: save unless the last update's checkpoint exists."""
-        if not (self.save_dir / ckpt.tag_for(step) / ckpt.MANIFEST).is_file():
-            self.save(step, samples)
+        if not (self.save_dir / ckpt.tag_for(self.state.step) / ckpt.MANIFEST).is_file():
+            self.save()
 
     # ---- save -------------------------------------------------------------------------------
 
-    def save(self, step: int, samples: int) -> None:
-        """Checkpoint at ``step`` (``samples`` sentence pairs drawn so far); ``latest`` moves only once it is complete.
+    def save(self) -> None:
+        """Checkpoint at the state's step; ``latest`` moves only once it is complete.
 
         A rank whose part of the save fails (a full disk, a quota) does not leave the others
         waiting in a barrier: the failure is agreed on (:func:`agree_or_raise`) and every rank
@@ -109,15 +104,15 @@ class Checkpointer:
         """
         # Rank 0 reads data (first stage): its stream position and sample count are the run's;
         # a middle stage builds no batches, and every stage's file must hold the same state.
+        step = self.state.step
         sampler, samples = collectives.broadcast_object(
-            (self.stream.state_dict(), samples) if self.rank == 0 else None
+            (self.stream.state_dict(), self.state.samples) if self.rank == 0 else None
         )
-        self.step, self.samples = step, samples
         tag = ckpt.tag_for(step)
         tag_dir = self.save_dir / tag
         client = {
             "step": step,
-            "samples": self.samples,
+            "samples": samples,
             "sampler": sampler,
             "spec_names": spec_names(self.cfg.model),
             "parts": self.parts,
@@ -137,27 +132,20 @@ class Checkpointer:
         self.engine.save_checkpoint(
             str(self.save_dir), tag=tag, client_state=client, save_latest=False
         )
-        self.faults.exit_in_save("after_engine", step)
         if self.save_error is None:
             rng_path = ckpt.rng_file(tag_dir, self.rank)
             try:
                 torch.save(ckpt.rng_state(), rng_path)
             except (OSError, RuntimeError) as exc:
                 self.save_error = self._describe_save_failure(exc, rng_path)
-        self.faults.exit_in_save("after_rng", step)
         agree_or_raise(self.world, self.save_error)
         error = None
         if self.rank == 0:
             try:
-                self.faults.fail_in("manifest", tag_dir)
                 if self.vocab is not None:
-                    shutil.copyfile(self.vocab["path"], tag_dir / SPM_IN_CHECKPOINT)
-                (tag_dir / "train_config.json").write_text(
-                    json.dumps(client, indent=1, sort_keys=True, default=str), encoding="utf-8"
-                )
-                self.faults.exit_in_save("after_config", step)
+                    shutil.copyfile(self.vocab["path"], tag_dir / ckpt.SPM_IN_CHECKPOINT)
+                ckpt.write_train_config(tag_dir, client)
                 ckpt.write_manifest(tag_dir, step)
-                self.faults.exit_in_save("after_manifest", step)
                 ckpt.write_latest(self.save_dir, tag)
             except OSError as exc:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
@@ -183,7 +171,7 @@ class Checkpointer:
     def _describe_save_failure(self, exc: BaseException, path) -> str:
         """One line for a failed checkpoint file: torch.save reports a full disk as a
         RuntimeError from its zip writer ("unexpected pos ..."), so the free space is said."""
-        tag_dir = self.save_dir / ckpt.tag_for(self.step)
+        tag_dir = self.save_dir / ckpt.tag_for(self.state.step)
         if isinstance(exc, OSError):
             return f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         try:
@@ -200,8 +188,7 @@ class Checkpointer:
         OSError (a full disk) is recorded in :attr:`save_error` instead of raised, and the
         rank's remaining files are skipped, so DeepSpeed's own collectives in
         ``save_checkpoint`` (tag validation, its final barrier) still match across ranks and
-        the failure is agreed on afterwards. Also the test-only faults ``save_exit@engine_file``
-        and ``enospc@engine``."""
+        the failure is agreed on afterwards."""
         engine = self.engine.checkpoint_engine
         if getattr(engine, "_mbn_guarded", False):
             return
@@ -211,13 +198,11 @@ class Checkpointer:
             if self.save_error is not None:
                 return None
             try:
-                self.faults.fail_in("engine", self.save_dir / ckpt.tag_for(self.step))
                 out = save(*args, **kwargs)
             except (OSError, RuntimeError) as exc:  # torch.save: RuntimeError on a full disk
                 path = kwargs.get("path", args[1] if len(args) > 1 else None)
                 self.save_error = self._describe_save_failure(exc, path)
                 return None
-            self.faults.exit_in_save("engine_file", self.step)
             return out
 
         engine.save, engine._mbn_guarded = guarded_save, True
@@ -226,8 +211,8 @@ class Checkpointer:
 
     def resume(self) -> None:
         """Resume from the newest complete checkpoint (``latest``, or a complete one newer than
-        it), verified against its checksums; an unreadable ``latest`` is an error. Sets
-        :attr:`step` and :attr:`samples`; nothing changes when there is no checkpoint."""
+        it), verified against its checksums; an unreadable ``latest`` is an error. Sets the
+        state's step and samples; nothing changes when there is no checkpoint."""
         tag, notes = ckpt.resume_tag(self.save_dir)
         for note in notes:
             self.log(f"warning: {note}")
@@ -235,7 +220,7 @@ class Checkpointer:
             return
         tag_dir = self.save_dir / tag
         ckpt.verify_checkpoint(tag_dir)
-        saved = json.loads((tag_dir / "train_config.json").read_text(encoding="utf-8"))
+        saved = ckpt.read_train_config(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)
         if saved["parts"] != self.parts or saved.get("repartitioned"):
@@ -252,20 +237,20 @@ class Checkpointer:
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
-        self.step = int(client["step"])
-        self.samples = int(client["samples"])
+        self.state.step = int(client["step"])
+        self.state.samples = int(client["samples"])
         self.stream.load_state_dict(client["sampler"])
         rng_path = ckpt.rng_file(tag_dir, self.rank)
         if rng_path.is_file():
             ckpt.set_rng_state(torch.load(rng_path, weights_only=True))
         else:
             self.log(f"warning: {rng_path} missing (different world size): RNG not restored")
-        if self.scheduler.last_epoch != self.step:
+        if self.scheduler.last_epoch != self.state.step:
             raise ckpt.CheckpointError(
-                f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.step}"
+                f"{tag_dir}: LR scheduler at {self.scheduler.last_epoch}, step {self.state.step}"
             )
         self._apply_optimizer_config()
-        self.log(f"resumed from {tag_dir} at step {self.step}")
+        self.log(f"resumed from {tag_dir} at step {self.state.step}")
 
     def _check_resume_config(self, tag_dir: Path, saved: dict) -> dict:
         """The checks a resume makes against the checkpoint: first the vocabulary (the data's
@@ -282,7 +267,7 @@ class Checkpointer:
             new = (self.vocab or {}).get("spm_sha256")
             if old != new:
                 mine = self.vocab["path"] if self.vocab else "synthetic data (no vocabulary)"
-                theirs = f"{tag_dir / SPM_IN_CHECKPOINT}" if old else "synthetic data"
+                theirs = f"{tag_dir / ckpt.SPM_IN_CHECKPOINT}" if old else "synthetic data"
                 raise ConfigError(
                     f"config key data.dataset: {mine} is not the vocabulary the checkpoint was "
                     f"trained with ({theirs}; sha256 {str(old)[:12]} vs {str(new)[:12]}); "
@@ -292,12 +277,9 @@ class Checkpointer:
             self.data_manifest_sha256 is not None
             and saved.get("data_manifest_sha256") == self.data_manifest_sha256
         )
-        try:
-            return resume_policy.check_resume(
-                saved["config"], self.cfg.to_dict(), str(tag_dir), same_data
-            )
-        except resume_policy.ResumeConfigError as exc:
-            raise ConfigError(str(exc)) from None
+        return resume_policy.check_resume(
+            saved["config"], self.cfg.to_dict(), str(tag_dir), same_data
+        )
 
     def _apply_optimizer_config(self) -> None:
         """This run's learning rate and Adam settings over the restored optimizer and
@@ -309,7 +291,7 @@ class Checkpointer:
         self.scheduler.lr_lambdas = [factor for _ in self.scheduler.base_lrs]
         for group in self.optimizer.param_groups:
             group["initial_lr"] = t.lr
-            group["lr"] = t.lr * factor(self.step)
+            group["lr"] = t.lr * factor(self.state.step)
             group["betas"] = (t.adam_beta1, t.adam_beta2)
             group["eps"] = t.adam_eps
             group["weight_decay"] = t.weight_decay
@@ -320,13 +302,13 @@ class Checkpointer:
         (layer files are named by their index in the layer list, not by stage), step, data
         position; the optimizer state starts fresh (a warning says so) and the LR schedule
         continues from the step."""
-        from megatron_branchnorm.inference.convert import read_checkpoint
-
         # Only this stage's layer files, and entry 0 (the tied embedding is saved there): a
         # rank of a 1000-layer model must not load the whole model to keep 1/16 of it.
         stage = self.engine.stage_id
         mine = set(range(self.parts[stage], self.parts[stage + 1])) | {0}
-        _, flat = read_checkpoint(tag_dir, verify=False, indices=mine)  # resume verified it
+        _, flat = ckpt.read_checkpoint(  # resume verified it
+            tag_dir, pipe_to_flat_key, verify=False, indices=mine
+        )
         names = spec_names(self.cfg.model)
         state = {}
         for key in self.module.state_dict():
@@ -335,14 +317,14 @@ class Checkpointer:
                 raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
             state[key] = flat[flat_key]
         self.module.load_state_dict(state, strict=True)
-        self.step = int(saved["step"])
-        self.samples = int(saved["samples"])
+        self.state.step = int(saved["step"])
+        self.state.samples = int(saved["samples"])
         self.stream.load_state_dict(saved["sampler"])
-        self.scheduler.last_epoch = self.step
+        self.scheduler.last_epoch = self.state.step
         self._apply_optimizer_config()
         self.log(
             f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
-            f"{self.parts}: weights loaded layer by layer at step {self.step}; optimizer state "
+            f"{self.parts}: weights loaded layer by layer at step {self.state.step}; optimizer state "
             "(Adam moments) and RNG states start fresh"
         )
 
@@ -358,7 +340,7 @@ class Checkpointer:
             try:
                 dump_config(self.cfg, self.save_dir / "config.yaml")
                 resume_policy.append_history(
-                    self.save_dir, self.step, self.resumed_from, self.config_changes
+                    self.save_dir, self.state.step, self.resumed_from, self.config_changes
                 )
             except OSError as exc:
                 error = f"cannot write the run's config: {describe_os_error(exc)}"

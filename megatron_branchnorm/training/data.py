@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
-from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
 from megatron_branchnorm.tokens import PAD_ID
 
 
@@ -42,23 +41,16 @@ def vocab_identity(cfg: ExperimentConfig) -> tuple[dict | None, str | None]:
     inside DATA_DIR (a manifest cannot point at any file of the machine)."""
     if cfg.data.dataset == "synthetic":
         return None, None
-    from megatron_branchnorm.data import open_manifest
-
-    data_dir = Path(cfg.data.dataset)
-    manifest = open_manifest(data_dir)
-    name = manifest["spm_model"]
-    if Path(name).name != name or name in ("", ".", ".."):
-        raise ConfigError(
-            f"{data_dir / 'manifest.json'}: key spm_model must be a file name inside the data "
-            f"directory, got {name!r}"
-        )
-    path = data_dir / name
+    manifest = read_data_manifest(cfg.data.dataset)
+    if manifest.vocab_size is None:
+        raise DataError(f"{manifest.path}: key vocab_size: missing")
+    path = manifest.spm_path
     vocab = {
         "spm_sha256": ckpt.sha256_file(path),
-        "vocab_size": int(manifest["vocab_size"]),
+        "vocab_size": manifest.vocab_size,
         "path": str(path),
     }
-    return vocab, ckpt.sha256_file(data_dir / "manifest.json")
+    return vocab, manifest.sha256
 
 
 def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool):

@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-
-import torch
 
 from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.resources import find_ds_config
-
-FP16_ON_CPU_ENV = "MBN_TEST_FP16_ON_CPU"
-"""Test-only emulation: with ``1`` here, DeepSpeed's CPU accelerator reports fp16 as
-supported, so the fp16 engine path (DeepSpeed's ZeRO-1 optimizer with dynamic loss scaling)
-runs on CPU ranks in the test suite. What it proves and what only a GPU can: docs/design.md
-§7. Never set it for a real run: on most CPUs fp16 compute is emulated and slow."""
 
 YAML_OWNED_DS_KEYS = {
     "train_batch_size": "train.micro_batches",
@@ -79,19 +70,6 @@ def check_ds_types(ds: dict, path: Path) -> None:
             if not ok:
                 want = {bool: "true or false", int: "an integer", float: "a finite number"}[tp]
                 raise ConfigError(f"{path}: key {name} must be {want}, got {quote(v)}")
-
-
-def allow_fp16_on_cpu_for_tests() -> bool:
-    """Apply the :data:`FP16_ON_CPU_ENV` emulation when it is set and the accelerator is the
-    CPU; True when it was applied."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if os.environ.get(FP16_ON_CPU_ENV) != "1" or acc.device_name() != "cpu":
-        return False
-    acc.is_fp16_supported = lambda: True
-    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-    return True
 
 
 def check_precision_supported(ds: dict, path: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.launch import free_port
 from megatron_branchnorm.training import collectives
@@ -22,6 +23,8 @@ def setup_process_env() -> None:
     ``deepspeed.init_distributed`` never falls into MPI discovery."""
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        _env_int("SLURM_PROCID", 0)
+        _env_int("SLURM_NTASKS", 1)
         env["RANK"] = env["SLURM_PROCID"]
         env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
@@ -34,6 +37,38 @@ def setup_process_env() -> None:
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")
+    check_process_env()
+
+
+def _env_int(name: str, low: int, high: int | None = None) -> int | None:
+    """The integer in environment variable ``name`` (None when unset), or ConfigError naming
+    the variable: not a plain decimal integer, below ``low`` or above ``high``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    text = raw.strip()
+    value = int(text) if text.isdigit() and len(text) <= 10 else None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise ConfigError(f"environment variable {name}: expected {bound}, got {quote(raw)}")
+    return value
+
+
+def check_process_env() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE and MASTER_PORT as a launcher sets them, or a
+    one-line ConfigError naming the variable (a non-integer, a negative, RANK >= WORLD_SIZE, a
+    port outside 1..65535) before torch.distributed raises a traceback or waits forever."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if rank is not None and world is not None and rank >= world:
+        raise ConfigError(
+            f"environment variable RANK: {rank}, but WORLD_SIZE is {world} (ranks are "
+            f"0..{world - 1})"
+        )
+    _env_int("LOCAL_SIZE", 1)
+    _env_int("LOCAL_WORLD_SIZE", 1)
+    _env_int("LOCAL_RANK", 0)
+    _env_int("MASTER_PORT", 1, 65535)
 
 
 def local_ranks() -> int:
@@ -92,7 +127,22 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     device = bind_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    except dist.DistNetworkError as exc:
+        # The rendezvous store (rank 0 listens on MASTER_PORT): a busy port is the user's
+        # environment, not a bug, so one line naming the variable instead of a traceback.
+        where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        text = one_line(str(exc), 300)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise ConfigError(
+                f"environment variable MASTER_PORT: {where} is already in use (another run "
+                "or program listens there); choose a free port (deepspeed --master_port P, "
+                "or MASTER_PORT=P)"
+            ) from None
+        raise ConfigError(
+            f"environment variables MASTER_ADDR/MASTER_PORT: cannot rendezvous at {where}: {text}"
+        ) from None
     rank = dist.get_rank()
     if backend == "gloo":
         release_shm_workspace(rank)

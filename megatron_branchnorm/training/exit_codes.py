@@ -10,5 +10,3 @@ NONFINITE_EXIT_CODE = 3
 """train.max_consecutive_skips consecutive non-finite updates (no save)."""
 REQUEUE_EXIT_CODE = 75
 """A signal-triggered checkpoint was written (EX_TEMPFAIL): job scripts requeue on it."""
-FAULT_EXIT_CODE = 86
-"""Test-only: a rank ended by fault injection (megatron_branchnorm.training.faults)."""

@@ -13,31 +13,49 @@ from megatron_branchnorm.partition import TIED_PREFIX, engine_param_to_flat_key
 from megatron_branchnorm.training import collectives
 
 
-class AdamW(torch.optim.AdamW):
-    """AdamW that records the global gradient norm for logging in fp32 mode and skips an
-    update whose norm is not finite.
+class SkipNonfiniteAdamW(torch.optim.AdamW):
+    """torch's AdamW that skips an update whose global gradient norm is not finite, and
+    records that norm for logging (fp32 mode; DeepSpeed's bf16/fp16 optimizers compute their
+    own norm and skip themselves).
 
-    A skip leaves parameters and moments untouched and sets ``overflow``, which DeepSpeed's
+    Until :meth:`use_global_norm` gives it the norm it is torch's AdamW. A skip leaves
+    parameters and moments untouched and sets ``overflow``, which DeepSpeed's
     ``_take_model_step`` reads: the LR scheduler is not stepped and ``was_step_applied()`` is
-    False, on every stage (the norm is reduced over all stages, so they agree).
-    ``locate_fn`` names the first module with a non-finite gradient, as (stage, name).
+    False, on every stage (the norm is reduced over all stages, so they agree); ``nonfinite_at``
+    then names the first module with a non-finite gradient, as (stage, name), when known.
     """
 
-    norm_fn = None
-    locate_fn = None
-    pending_norm: float | None = None
-    _global_grad_norm: float | None = None
-    overflow = False
-    nonfinite_at: tuple[int, str] | None = None
+    def __init__(self, params, **adamw_kwargs) -> None:
+        super().__init__(params, **adamw_kwargs)
+        self._norm_fn: Callable[[], float] | None = None
+        self._locate_fn: Callable[[], tuple[int, str] | None] | None = None
+        self._clipped_norm: float | None = None  # this update's norm, computed by the clipping
+        self._global_grad_norm: float | None = None  # read by DeepSpeed's engine
+        self.overflow = False  # read by DeepSpeed's engine
+        self.nonfinite_at: tuple[int, str] | None = None
+
+    def use_global_norm(
+        self,
+        norm_fn: Callable[[], float],
+        locate_fn: Callable[[], tuple[int, str] | None] | None = None,
+    ) -> None:
+        """Skip on ``norm_fn()`` (the global gradient norm) when it is not finite;
+        ``locate_fn`` names the first non-finite gradient as (stage, module)."""
+        self._norm_fn, self._locate_fn = norm_fn, locate_fn
+
+    def norm_computed(self, norm: float) -> None:
+        """The clipping computed this update's norm: the step uses it instead of computing
+        it again."""
+        self._clipped_norm = norm
 
     def step(self, closure=None):
         self.overflow, self.nonfinite_at = False, None
-        if self.norm_fn is not None:
-            norm = self.pending_norm if self.pending_norm is not None else self.norm_fn()
-            self._global_grad_norm, self.pending_norm = norm, None
+        if self._norm_fn is not None:
+            norm = self._clipped_norm if self._clipped_norm is not None else self._norm_fn()
+            self._global_grad_norm, self._clipped_norm = norm, None
             if not math.isfinite(norm):
                 self.overflow = True
-                self.nonfinite_at = self.locate_fn() if self.locate_fn is not None else None
+                self.nonfinite_at = self._locate_fn() if self._locate_fn is not None else None
                 self.zero_grad(set_to_none=True)
                 return None
         return super().step(closure)
@@ -79,16 +97,14 @@ def pipeline_grad_norm(module: torch.nn.Module, group) -> float:
 
 
 def install_fp32_grad_norm(
-    engine, module: torch.nn.Module, optimizer: AdamW, names: dict[int, str], before_norm: Callable
+    engine, module: torch.nn.Module, optimizer: SkipNonfiniteAdamW, names: dict[int, str]
 ) -> None:
     """Give ``optimizer`` the all-stage norm and the locator of a non-finite gradient, and
-    replace DeepSpeed's fp32 clipping (which counts only stage 0's gradients in a pipeline).
-    ``before_norm`` runs before every norm (fault injection's hook)."""
+    replace DeepSpeed's fp32 clipping (which counts only stage 0's gradients in a pipeline)."""
     group = engine.grid.get_model_parallel_group()  # all stages of one replica
     stage_id = engine.stage_id
 
     def norm_fn() -> float:
-        before_norm()
         return pipeline_grad_norm(module, group)
 
     def locate() -> tuple[int, str] | None:
@@ -97,11 +113,11 @@ def install_fp32_grad_norm(
         found = [f for f in found if f is not None]
         return (min(found)[2], min(found)[1]) if found else None
 
-    optimizer.norm_fn, optimizer.locate_fn = norm_fn, locate
+    optimizer.use_global_norm(norm_fn, locate)
 
     def clip() -> None:
         norm = norm_fn()
-        optimizer.pending_norm = norm
+        optimizer.norm_computed(norm)
         coef = engine.gradient_clipping() / (norm + 1e-6)
         if coef < 1.0 and math.isfinite(norm):
             for p in module.parameters():

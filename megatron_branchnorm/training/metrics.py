@@ -1,77 +1,26 @@
 """``metrics.jsonl``, the run's record: one JSON object per line, written by rank 0 only,
 read back by early stopping, retention, plotting, the rehearsal and the research harness.
 
-This module owns the file name and the one reader; it imports neither torch nor TensorBoard
-at import time, so tools that only read a run stay light. :class:`MetricsLog` writes the
-console line, the JSON rows and TensorBoard's scalars.
+This module owns the one writer (the file name and the one reader are
+``formats/records.py``'s); it imports neither torch nor TensorBoard at import time, so tools
+that only read a run stay light. :class:`MetricsLog` writes the console line, the JSON rows
+and TensorBoard's scalars.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import describe_os_error, one_line
-from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.records import metrics_path, read_metrics
 
-METRICS_FILE = "metrics.jsonl"
-BLEU_FILE = "valid_bleu.jsonl"
-"""Validation BLEU of each checkpoint, written by the companion process
-(megatron_branchnorm/inference/valid_bleu.py), never by the trainer: each file has one writer."""
 TIMING_KEYS = ("tokens_per_sec", "memory_mb", "elapsed_s", "eta_s")
 """The keys that depend on the machine and its load, not on what was trained."""
-
-
-class MetricsFileError(UserError, ValueError):
-    """A metrics file that a strict reader cannot use: one line naming the file (and line)."""
-
-
-def metrics_path(save_dir: str | Path, name: str = METRICS_FILE) -> Path:
-    return Path(save_dir) / name
-
-
-def read_metrics(
-    save_dir: str | Path, strict: bool = False, name: str = METRICS_FILE
-) -> list[dict[str, Any]]:
-    """The rows of ``save_dir/metrics.jsonl`` (or of ``name``, e.g. :data:`BLEU_FILE`) in
-    file order (a resumed run's rows included).
-
-    Tolerant (the default): a missing file is no rows, and a line that is not a JSON object
-    with a ``step`` (the last line of a killed run, cut short) is skipped. ``strict``: those
-    are :class:`MetricsFileError`, as is a file without rows."""
-    path = metrics_path(save_dir, name)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if strict:
-            raise MetricsFileError(f"{path}: missing (not a training run directory?)") from None
-        return []
-    except OSError:
-        if strict:
-            raise
-        return []
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if strict:
-                raise MetricsFileError(f"{path}:{lineno}: not a JSON object") from None
-            continue
-        if not isinstance(row, dict) or "step" not in row:
-            if strict:
-                raise MetricsFileError(f"{path}:{lineno}: expected an object with a 'step' key")
-            continue
-        rows.append(row)
-    if strict and not rows:
-        raise MetricsFileError(f"{path}: no rows")
-    return rows
 
 
 def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,31 +44,6 @@ def first_difference(a: str | Path, b: str | Path) -> str | None:
     return None
 
 
-def scores_by_step(save_dir: str | Path, key: str, name: str = METRICS_FILE) -> dict[int, float]:
-    """``key`` (e.g. ``valid_loss``) by step from ``save_dir/name``: the last row of a step
-    wins; non-finite values are ignored."""
-    out: dict[int, float] = {}
-    for row in read_metrics(save_dir, name=name):
-        value = row.get(key)
-        if (
-            isinstance(value, (int, float))
-            and isinstance(row["step"], int)
-            and math.isfinite(value)
-        ):
-            out[row["step"]] = float(value)
-    return out
-
-
-def valid_losses(save_dir: str | Path) -> dict[int, float]:
-    """Validation loss by step (the trainer's ``valid_loss`` rows)."""
-    return scores_by_step(save_dir, "valid_loss")
-
-
-def valid_bleus(save_dir: str | Path) -> dict[int, float]:
-    """Validation BLEU by step (the companion's rows in :data:`BLEU_FILE`)."""
-    return scores_by_step(save_dir, "valid_bleu", BLEU_FILE)
-
-
 class MetricsLog:
     """The console (rank 0), ``metrics.jsonl`` and TensorBoard (``save_dir/tensorboard``,
     opened at the first row; failures there disable it with a line, never stop training).
@@ -128,13 +52,10 @@ class MetricsLog:
     :attr:`error` for the stopping part to agree on at the end of the update, so no rank
     waits for this one in a collective."""
 
-    def __init__(
-        self, save_dir: Path, is_logger: bool, fail_hook: Callable[[Path], None] | None = None
-    ) -> None:
+    def __init__(self, save_dir: Path, is_logger: bool) -> None:
         self.path = metrics_path(save_dir)
         self.tb_dir = Path(save_dir) / "tensorboard"
         self.is_logger = is_logger
-        self.fail_hook = fail_hook  # test-only: raise an OSError before a write (faults)
         self.error: str | None = None
         self.tb: Any = None
 
@@ -147,8 +68,6 @@ class MetricsLog:
         if not self.is_logger or self.error is not None:
             return
         try:
-            if self.fail_hook is not None:
-                self.fail_hook(self.path)
             with open(self.path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
         except OSError as exc:
@@ -197,6 +116,45 @@ def format_eta(seconds: float) -> str:
     return f"{days}d {text}" if days else text
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateFigures:
+    """What the trainer measured of an applied update, for its row (:meth:`Progress.write`)."""
+
+    step: int
+    loss: float
+    nll_loss: float
+    lr: float
+    grad_norm: float | None
+    alpha: float
+    loss_scale: float
+    samples: int
+    ids_hash: str
+    skipped_steps: int
+    memory_mb: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRow:
+    """The ``metrics.jsonl`` row of an applied update: its fields, in this order, are the
+    row's keys (:data:`TIMING_KEYS` are the machine's, the rest what was trained)."""
+
+    step: int
+    loss: float
+    nll_loss: float
+    ppl: float
+    lr: float
+    grad_norm: float | None
+    alpha: float
+    loss_scale: float
+    tokens_per_sec: float
+    samples: int
+    ids_hash: str
+    skipped_steps: int
+    memory_mb: float
+    elapsed_s: float
+    eta_s: float
+
+
 class Progress:
     """The training row of ``metrics.jsonl`` and the console line, every train.log_interval
     applied updates and at the last: losses, throughput since the last row, time used and
@@ -235,34 +193,35 @@ class Progress:
         left = (self.max_steps - step) * elapsed / max(step - self.first_step, 1)
         return min(left, self.budget_min * 60 - elapsed) if self.budget_min else left
 
-    def write(self, step: int, loss: float, nll: float, lr: float, **values: Any) -> None:
-        """The row of update ``step``: ``values`` are grad_norm, alpha, loss_scale, samples,
-        ids_hash, skipped_steps and memory_mb."""
+    def write(self, update: UpdateFigures) -> TrainingRow:
+        """The row of the applied update ``update`` (metrics.jsonl, TensorBoard, the console
+        line), with the throughput since the last row, the time used and the ETA."""
         now = time.time()
         elapsed = now - self.start_time
-        v = values
-        record = {
-            "step": step,
-            "loss": loss,
-            "nll_loss": nll,
-            "ppl": math.exp(min(nll, 50.0)),
-            "lr": lr,
-            "grad_norm": v["grad_norm"],
-            "alpha": v["alpha"],
-            "loss_scale": v["loss_scale"],
-            "tokens_per_sec": self.tokens / max(now - self.last_time, 1e-9),
-            "samples": v["samples"],
-            "ids_hash": v["ids_hash"],
-            "skipped_steps": v["skipped_steps"],
-            "memory_mb": v["memory_mb"],
-            "elapsed_s": elapsed,
-            "eta_s": self.eta(elapsed, step),
-        }
-        self.metrics.write(record)
+        u = update
+        row = TrainingRow(
+            step=u.step,
+            loss=u.loss,
+            nll_loss=u.nll_loss,
+            ppl=math.exp(min(u.nll_loss, 50.0)),
+            lr=u.lr,
+            grad_norm=u.grad_norm,
+            alpha=u.alpha,
+            loss_scale=u.loss_scale,
+            tokens_per_sec=self.tokens / max(now - self.last_time, 1e-9),
+            samples=u.samples,
+            ids_hash=u.ids_hash,
+            skipped_steps=u.skipped_steps,
+            memory_mb=u.memory_mb,
+            elapsed_s=elapsed,
+            eta_s=self.eta(elapsed, u.step),
+        )
+        self.metrics.write(dataclasses.asdict(row))
         self.metrics.log(
-            f"step {step} | loss {loss:.4f} | nll {nll:.4f} | lr {lr:.3g} | "
-            f"gnorm {record['grad_norm'] or 0:.3f} | alpha {v['alpha']:.4f} | "
-            f"tok/s {record['tokens_per_sec']:.0f} | mem {v['memory_mb']:.0f}MB | "
-            f"eta {format_eta(record['eta_s'])}"
+            f"step {row.step} | loss {row.loss:.4f} | nll {row.nll_loss:.4f} | lr {row.lr:.3g} | "
+            f"gnorm {row.grad_norm or 0:.3f} | alpha {row.alpha:.4f} | "
+            f"tok/s {row.tokens_per_sec:.0f} | mem {row.memory_mb:.0f}MB | "
+            f"eta {format_eta(row.eta_s)}"
         )
         self.last_time, self.tokens = now, 0
+        return row

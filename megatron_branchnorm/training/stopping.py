@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import stop_signals
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training import collectives
 
 
@@ -84,25 +84,30 @@ class NonfiniteSkips:
     def __init__(self, limit: int, fp32: bool, save_dir, metrics, is_logger: bool) -> None:
         self.limit, self.fp32, self.save_dir = limit, fp32, save_dir
         self.metrics, self.is_logger = metrics, is_logger
-        self.total = 0
-        self.consecutive = 0
+        self.skipped_steps = 0  # in this process, the metrics' ``skipped_steps``
+        self.consecutive_skips = 0  # since the last applied update
 
     def applied(self) -> None:
-        self.consecutive = 0
+        """An update was applied: the run of skips ends."""
+        self.consecutive_skips = 0
 
-    def stop_after_skip(self, t: int, step: int, where, loss_scale: float, ids_hash: str) -> bool:
-        """Record that update ``t`` was skipped at ``step``; ``where`` is (stage, module) of the first
-        non-finite gradient when known. True when the run must stop."""
-        self.total += 1
-        self.consecutive += 1
+    def stop_after_skip(
+        self, *, update: int, applied_updates: int, where, loss_scale: float, ids_hash: str
+    ) -> bool:
+        """Record that the update tried as number ``update`` (``applied_updates`` + 1: skips
+        do not advance it) was skipped, ``applied_updates`` updates having been applied;
+        ``where`` is (stage, module) of the first non-finite gradient when known. True when
+        the run must stop."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
         stage, module = where if where else (None, None)
         self.metrics.write(
             {
-                "step": step,
+                "step": applied_updates,
                 "skipped": True,
-                "update": t,
-                "consecutive_skips": self.consecutive,
-                "skipped_steps": self.total,
+                "update": update,
+                "consecutive_skips": self.consecutive_skips,
+                "skipped_steps": self.skipped_steps,
                 "first_nonfinite_stage": stage,
                 "first_nonfinite_module": module,
                 "loss_scale": loss_scale,  # after the skip: fp16 lowered it
@@ -111,15 +116,16 @@ class NonfiniteSkips:
         )
         what = f"first non-finite gradient in {module} (stage {stage})" if where else "overflow"
         self.metrics.log(
-            f"update {t} skipped at step {step}: non-finite gradient norm; {what}; "
-            f"{self.consecutive} consecutive, {self.total} in total"
+            f"update {update} skipped at step {applied_updates}: non-finite gradient norm; "
+            f"{what}; {self.consecutive_skips} consecutive, {self.skipped_steps} in total"
         )
-        if not self.fp32 or self.consecutive < self.limit:
+        if not self.fp32 or self.consecutive_skips < self.limit:
             return False
         latest = ckpt.read_latest(self.save_dir)
         msg = (
-            f"error: stopping: {self.consecutive} consecutive updates with a non-finite gradient "
-            f"norm (train.max_consecutive_skips={self.limit}) at step {step}; {what}; the last "
+            f"error: stopping: {self.consecutive_skips} consecutive updates with a non-finite "
+            f"gradient norm (train.max_consecutive_skips={self.limit}) at step "
+            f"{applied_updates}; {what}; the last "
             f"good checkpoint is {self.save_dir / latest if latest else 'none'}"
         )
         if self.is_logger:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -52,9 +53,9 @@ from megatron_branchnorm.training.data import (
     vocab_identity,
 )
 from megatron_branchnorm.training.exit_codes import DONE, NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
-from megatron_branchnorm.training.faults import Faults
-from megatron_branchnorm.training.grad_norm import AdamW, install_fp32_grad_norm
-from megatron_branchnorm.training.metrics import MetricsLog, Progress
+from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW, install_fp32_grad_norm
+from megatron_branchnorm.training.metrics import MetricsLog, Progress, UpdateFigures
+from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import (
     NonfiniteSkips,
     Stopper,
@@ -66,6 +67,19 @@ from megatron_branchnorm.training.validation import (
     read_loss_sums,
     reduce_loss_sums,
 )
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one update did. ``loss_sums`` stay on the device (reduced over the ranks, not
+    read): only a logged row reads them (one host sync)."""
+
+    applied: bool  # False: skipped for a non-finite gradient norm
+    alpha: float  # BranchNorm's alpha_t of the update
+    lr: float  # the learning rate it was taken with
+    loss_sums: torch.Tensor  # (loss sum, nll sum, target tokens), see validation.read_loss_sums
+    ids_hash: str  # the update's batches (docs/design.md §15)
+    tokens: int  # source + target tokens of the update, all ranks
 
 
 class Trainer:
@@ -84,20 +98,14 @@ class Trainer:
         self.dp = world // stages
         self.cfg = cfg = resolve_vocab(cfg)
         self.ds_config = dsc.load_ds_config(cfg, self.dp)
-        dsc.allow_fp16_on_cpu_for_tests()
         dsc.check_precision_supported(self.ds_config, cfg.train.deepspeed_config)
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
-        self.faults = Faults(rank=int(os.environ["RANK"]))  # = the process group rank
         self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
         check_writable(self.save_dir)  # every rank, before any collective: all fail alike
 
         self.rank, self.world = env.init_process_group(cfg.train.collective_timeout_s)
-        self.metrics = MetricsLog(
-            self.save_dir,
-            is_logger=self.rank == 0,
-            fail_hook=lambda path: self.faults.fail_in("metrics", path, "fault injection"),
-        )
+        self.metrics = MetricsLog(self.save_dir, is_logger=self.rank == 0)
         self.lock: RunLock | None = None
         self._take_lock()
         try:
@@ -145,7 +153,7 @@ class Trainer:
             or self.ds_config.get("bf16", {}).get("enabled")
         )
         t = cfg.train
-        optimizer = AdamW(
+        optimizer = SkipNonfiniteAdamW(
             [p for p in module.parameters() if p.requires_grad],
             lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2),
@@ -169,22 +177,15 @@ class Trainer:
         self.stage_id = self.engine.stage_id
         dp_id = self.engine.grid.data_parallel_id
         if self.fp32:
-            install_fp32_grad_norm(
-                self.engine,
-                module,
-                optimizer,
-                spec_names(cfg.model),
-                lambda: self.faults.inject_inf_grad(module, self.stage_id, self.engine.num_stages),
-            )
+            install_fp32_grad_norm(self.engine, module, optimizer, spec_names(cfg.model))
         reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
         self.stream = TrainStream(cfg, self.dp, dp_id, reads_data)
-        self.step = 0
-        self.samples = 0
-        self.ids_hash = ""
+        self.state = TrainState()
         self.checkpointer = Checkpointer(
             cfg,
             self.rank,
             self.world,
+            self.state,
             engine=self.engine,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -193,7 +194,6 @@ class Trainer:
             ds_config=self.ds_config,
             vocab=self.vocab,
             data_manifest_sha256=self.data_manifest_sha256,
-            faults=self.faults,
             log=self.metrics.log,
         )
         self.validator = Validator(
@@ -217,68 +217,69 @@ class Trainer:
 
     def _train(self) -> int:
         max_steps = self.cfg.train.max_steps
+        state = self.state
         self._start()
         if self.stopper.signalled_before_start():
             self.metrics.log(
-                f"signal received before the first update (step {self.step}): nothing new to "
+                f"signal received before the first update (step {state.step}): nothing new to "
                 f"save, exiting {REQUEUE_EXIT_CODE}"
             )
             collectives.barrier()
             return REQUEUE_EXIT_CODE
         exit_code = DONE
-        while self.step < max_steps:
-            t = self.step + 1
-            applied = self._update(t)
-            if not applied and self.skips.stop_after_skip(
-                t, self.step, self._nonfinite_at(), self._loss_scale(), self.ids_hash
+        while state.step < max_steps:
+            update = state.step + 1  # the update tried; state.step counts the applied ones
+            result = self._update(update)
+            if not result.applied and self.skips.stop_after_skip(
+                update=update,
+                applied_updates=state.step,
+                where=self._nonfinite_at(),
+                loss_scale=self._loss_scale(),
+                ids_hash=result.ids_hash,
             ):
                 exit_code = NONFINITE_EXIT_CODE
                 break
-            if applied and self.progress.due(self.step):
-                self._write_progress()
-            if applied and self.validator.due(self.step) and self.validator.run(self.step):
-                self.checkpointer.save(self.step, self.samples)
-                self.validator.record_early_stop(self.step)
+            if result.applied and self.progress.due(state.step):
+                self._write_progress(result)
+            if result.applied and self.validator.due(state.step) and self.validator.run(state.step):
+                self.checkpointer.save()
+                self.validator.record_early_stop(state.step)
                 break
             stop = self.stopper.check()
             if stop is not None:
-                self.checkpointer.save(self.step, self.samples)
+                self.checkpointer.save()
                 exit_code = self._log_stop(stop)
                 break
-            if applied and self.checkpointer.due(self.step):
-                self.checkpointer.save(self.step, self.samples)
+            if result.applied and self.checkpointer.due(state.step):
+                self.checkpointer.save()
         else:
-            self.checkpointer.save_if_missing(self.step, self.samples)
+            self.checkpointer.save_if_missing()
         collectives.barrier()
         return exit_code
 
-    def _update(self, t: int) -> bool:
-        """Update ``t``: its batches, alpha_t, one ``train_batch``; True when applied (False:
-        skipped for a non-finite gradient norm)."""
-        self.alpha = set_branch_scale(self.module, self.cfg.model, t)
-        nan_loss = self.faults.before_update(t)
+    def _update(self, t: int) -> UpdateResult:
+        """Update ``t`` (applied updates + 1): its batches, alpha_t, one ``train_batch``. An
+        applied update advances the state's step; a skipped one (a non-finite gradient norm)
+        only its samples."""
+        alpha = set_branch_scale(self.module, self.cfg.model, t)
         update = self.stream.next_update()
-        self.samples += update.samples
-        self.ids_hash = update.ids_hash
+        self.state.samples += update.samples
         self.loss_fn.reset()
         self.loss_fn.scale = self.cfg.train.micro_batches * self.dp / max(update.target_tokens, 1)
-        if nan_loss:
-            self.loss_fn.scale = float("nan")
-        self.lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.optimizer.param_groups[0]["lr"]
         self.engine.train_batch(data_iter=as_engine_items(update.mine, self.engine.device))
-        self.loss_sums = reduce_loss_sums(self.loss_fn)  # on the device: read when logged
-        if not self.engine.was_step_applied():
-            return False
-        self.step += 1
-        self.progress.count(update.all_tokens)
-        self.skips.applied()
-        return True
+        loss_sums = reduce_loss_sums(self.loss_fn)  # on the device: read when logged
+        applied = bool(self.engine.was_step_applied())
+        if applied:
+            self.state.step += 1
+            self.progress.count(update.all_tokens)
+            self.skips.applied()
+        return UpdateResult(applied, alpha, lr, loss_sums, update.ids_hash, update.all_tokens)
 
     def _start(self) -> None:
         """Resume (when save_dir has a checkpoint), record the run's config, say what runs."""
         cfg = self.cfg
-        self.checkpointer.resume()
-        self.step, self.samples = self.checkpointer.step, self.checkpointer.samples
+        self.checkpointer.resume()  # sets self.state
         self.checkpointer.record_start()
         print(f"rank {self.rank} (stage {self.stage_id}): {self.stream.describe()}", flush=True)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,24 +300,27 @@ class Trainer:
                 + ("recomputes every layer" if self.ckpt_interval else "does not recompute")
                 + f" ({self.device_memory / 2**30:.1f} GiB per rank)"
             )
-        self.progress.start(self.step)  # the clock of elapsed_s, the ETA and the time budget
-        self.validator.restore_patience(self.step, self.rank, self.save_dir)
+        self.progress.start(self.state.step)  # the clock of elapsed_s, the ETA, the time budget
+        self.validator.restore_patience(self.state.step, self.rank, self.save_dir)
 
-    def _write_progress(self) -> None:
-        loss_sum, nll_sum, count = read_loss_sums(self.loss_sums)
+    def _write_progress(self, result: UpdateResult) -> None:
+        """The metrics row of the applied update ``result`` (reads its loss sums: a host sync)."""
+        loss_sum, nll_sum, count = read_loss_sums(result.loss_sums)
         gn = self.engine.get_global_grad_norm()
         self.progress.write(
-            self.step,
-            loss=loss_sum / max(count, 1),
-            nll=nll_sum / max(count, 1),
-            lr=self.lr,
-            grad_norm=None if gn is None else float(gn),
-            alpha=self.alpha,
-            loss_scale=self._loss_scale(),
-            samples=self.samples,
-            ids_hash=self.ids_hash,
-            skipped_steps=self.skips.total,
-            memory_mb=env.peak_memory_mb(),
+            UpdateFigures(
+                step=self.state.step,
+                loss=loss_sum / max(count, 1),
+                nll_loss=nll_sum / max(count, 1),
+                lr=result.lr,
+                grad_norm=None if gn is None else float(gn),
+                alpha=result.alpha,
+                loss_scale=self._loss_scale(),
+                samples=self.state.samples,
+                ids_hash=result.ids_hash,
+                skipped_steps=self.skips.skipped_steps,
+                memory_mb=env.peak_memory_mb(),
+            )
         )
 
     def _log_stop(self, why: str) -> int:
@@ -324,7 +328,7 @@ class Trainer:
             self.metrics.log(f"signal received: checkpoint saved, exiting {REQUEUE_EXIT_CODE}")
             return REQUEUE_EXIT_CODE
         budget = self.cfg.train.max_time_minutes
-        self.metrics.log(f"time budget of {budget} min reached at step {self.step}")
+        self.metrics.log(f"time budget of {budget} min reached at step {self.state.step}")
         return DONE
 
     def _nonfinite_at(self) -> tuple[int, str] | None:

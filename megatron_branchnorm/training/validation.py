@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from megatron_branchnorm.config import ExperimentConfig
-from megatron_branchnorm.data.errors import DataError
+from megatron_branchnorm.formats.data_dir import DataError
+from megatron_branchnorm.formats.records import valid_losses
 from megatron_branchnorm.patience import Patience
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training.data import as_engine_items, build_batches
-from megatron_branchnorm.training.metrics import MetricsLog, valid_losses
+from megatron_branchnorm.training.metrics import MetricsLog
 
 
 def reduce_loss_sums(loss_fn) -> torch.Tensor:

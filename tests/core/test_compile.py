@@ -307,7 +307,7 @@ def _engine_run(compile: bool) -> dict:
     from megatron_branchnorm.partition import partition_plan
     from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
     from megatron_branchnorm.synthetic import SyntheticData, collate
-    from megatron_branchnorm.training.grad_norm import AdamW
+    from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 
     cfg = load_config(
         "tiny_cpu",
@@ -326,8 +326,8 @@ def _engine_run(compile: bool) -> dict:
     grads: list[dict[str, torch.Tensor]] = []
     names = {id(p): n for n, p in module.named_parameters()}
 
-    class Recording(AdamW):
-        """AdamW keeping each update's gradients."""
+    class Recording(SkipNonfiniteAdamW):
+        """The trainer's optimizer keeping each update's gradients."""
 
         def step(self, closure=None):
             grads.append(

@@ -1,4 +1,4 @@
-"""metrics.jsonl's one reader (megatron_branchnorm/training/metrics.py): tolerant for a line a
+"""metrics.jsonl's one reader (megatron_branchnorm/formats/records.py): tolerant for a line a
 kill cut short, strict with the file and line named; and the run comparison behind
 tools/compare_metrics.py and tools/same_runs.sh, blind to timings only."""
 
@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.training.metrics import (
-    MetricsFileError,
-    first_difference,
-    read_metrics,
-    training_rows,
-)
+from megatron_branchnorm.formats.records import MetricsFileError, read_metrics
+from megatron_branchnorm.training.metrics import first_difference, training_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [

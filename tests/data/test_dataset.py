@@ -202,7 +202,7 @@ def test_manifest_errors(small_data, tmp_path: Path) -> None:
     bad = tmp_path / "copy"
     shutil.copytree(data_dir, bad)
     (bad / "manifest.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"copy/manifest\.json: unreadable manifest"):
+    with pytest.raises(DataError, match=r"copy/manifest\.json: not valid JSON"):
         TranslationData(str(bad))
     m = json.loads((data_dir / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps(m | {"version": 0}))

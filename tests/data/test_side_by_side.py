@@ -18,8 +18,8 @@ import sentencepiece as spm
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
-from megatron_branchnorm.demo import Status, run_logged
 from megatron_branchnorm.experiments import fairseq_side_by_side
+from megatron_branchnorm.steps import Status, run_logged
 from megatron_branchnorm.tokens import lang_tag
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ def test_cli_errors(argv, message, tmp_path):
         text=True,
         cwd=ROOT,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr
 
 

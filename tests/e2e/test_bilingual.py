@@ -17,9 +17,9 @@ from megatron_branchnorm.commands import convert as convert_cmd
 from megatron_branchnorm.commands import evaluate as evaluate_cmd
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.commands import watch_bleu as watch_cmd
-from megatron_branchnorm.data.errors import DataError
 from megatron_branchnorm.data.preprocess import check_directions
-from megatron_branchnorm.training.metrics import valid_bleus
+from megatron_branchnorm.formats.data_dir import DataError
+from megatron_branchnorm.formats.records import valid_bleus
 from tests.data.conftest import sentences, write_lines
 
 pytestmark = pytest.mark.slow

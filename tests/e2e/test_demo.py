@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.demo import DemoOptions, Status, run_demo
 from megatron_branchnorm.experiments import probe_learning
+from megatron_branchnorm.workflows.demo import DemoOptions, Status, run_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT_LINES = {"train": 1500, "dev": 40, "test": 8}
@@ -131,7 +131,7 @@ def test_clis_refuse_bad_input(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 1 and "metrics.jsonl: missing" in proc.stderr
+    assert proc.returncode == 2 and "metrics.jsonl: missing" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = subprocess.run(
         [
@@ -147,7 +147,7 @@ def test_clis_refuse_bad_input(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 1 and "--layers 'x'" in proc.stderr
+    assert proc.returncode == 2 and "--layers 'x'" in proc.stderr
 
 
 def test_probe_learning_on_the_demo_data(demo_run, tmp_path: Path, capsys) -> None:

@@ -1,5 +1,7 @@
 """The fault suite's shared pieces: they live in ``megatron_branchnorm.experiments.fault_runs``
-(the fault sweep uses them too). TRAIN is train.py's path, for tests that start it directly."""
+(the fault sweep uses them too). TRAIN is train.py's path, for tests that start it directly;
+INJECTOR the module a test with a fault starts instead (``python -m INJECTOR``: train.py's main
+inside experiments/fault_inject.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from megatron_branchnorm.experiments.fault_runs import (
     DP_WORLD,
     EQUIV,
     EQUIV_STEPS,
+    INJECTOR,
     STEPS,
     assert_matches_reference,
     handles_signal,
@@ -37,6 +40,7 @@ __all__ = [
     "DP_WORLD",
     "EQUIV",
     "EQUIV_STEPS",
+    "INJECTOR",
     "STEPS",
     "TRAIN",
     "assert_matches_reference",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint as ckpt
 from tests.faults.common import (
     DP_RUN,
     DP_STEPS,

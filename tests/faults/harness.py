@@ -16,7 +16,6 @@ signal test in tests/faults/conftest.py::dp2_runs); ``dp_equiv`` as on 2 ranks.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,8 +26,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_branchnorm.config import load_config  # noqa: E402
+from megatron_branchnorm.experiments.fault_inject import injecting  # noqa: E402
 from megatron_branchnorm.training.environment import setup_process_env  # noqa: E402
-from megatron_branchnorm.training.faults import FAULT_ENV  # noqa: E402
 from megatron_branchnorm.training.trainer import Trainer  # noqa: E402
 from tests.faults.common import (  # noqa: E402
     BASE,
@@ -41,18 +40,16 @@ from tests.faults.common import (  # noqa: E402
 )
 
 
-def make(save_dir: Path, steps: int, *extra: str, fault: str = "") -> Trainer:
-    """A Trainer on BASE; ``fault`` is the injection spec it reads at construction."""
-    os.environ.pop(FAULT_ENV, None)
-    if fault:
-        os.environ[FAULT_ENV] = fault
+def train(save_dir: Path, steps: int, *extra: str, fault: str = "") -> tuple[Trainer, int]:
+    """A Trainer on BASE, trained; ``fault`` is the injection spec installed around it
+    (experiments/fault_inject.py). Returns the trainer and its exit code."""
     cfg = load_config(
         "tiny_cpu",
         [*BASE, f"train.save_dir={save_dir}", f"train.max_steps={steps}", *extra],
     )
-    trainer = Trainer(cfg)
-    os.environ.pop(FAULT_ENV, None)
-    return trainer
+    with injecting(fault):
+        trainer = Trainer(cfg)
+        return trainer, trainer.train()
 
 
 def snapshot(trainer: Trainer) -> dict:
@@ -67,7 +64,7 @@ def snapshot(trainer: Trainer) -> dict:
         "moments": state,
         "lr": [g["lr"] for g in opt.param_groups],
         "sched": trainer.scheduler.last_epoch,
-        "step": trainer.step,
+        "step": trainer.state.step,
     }
 
 
@@ -98,34 +95,33 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     if dist.get_world_size() == DP_WORLD:
-        make(out_dir / "ref", DP_STEPS, *DP_RUN).train()
-        make(out_dir / "dp_equiv", EQUIV_STEPS, *DP_RUN, *EQUIV).train()
+        train(out_dir / "ref", DP_STEPS, *DP_RUN)
+        train(out_dir / "dp_equiv", EQUIV_STEPS, *DP_RUN, *EQUIV)
         dist.barrier()
         return
     out: dict = {}
 
-    make(out_dir / "ref", STEPS, "train.save_interval=4").train()
-    make(out_dir / "resume", STEPS // 2, "train.save_interval=4").train()
-    make(out_dir / "resume", STEPS, "train.save_interval=4").train()
-    make(out_dir / "dp_equiv", EQUIV_STEPS, *EQUIV).train()
+    train(out_dir / "ref", STEPS, "train.save_interval=4")
+    train(out_dir / "resume", STEPS // 2, "train.save_interval=4")
+    train(out_dir / "resume", STEPS, "train.save_interval=4")
+    train(out_dir / "dp_equiv", EQUIV_STEPS, *EQUIV)
 
-    skip = make(out_dir / "skip", 6, "train.save_interval=0", fault="nan_loss@3,inf_grad@5:stage0")
-    code = skip.train()
+    skip, code = train(
+        out_dir / "skip", 6, "train.save_interval=0", fault="nan_loss@3,inf_grad@5:stage0"
+    )
     per_rank = [None, None]
     dist.all_gather_object(per_rank, {"engine_skipped": skip.engine.skipped_steps, "code": code})
     out["skip"] = per_rank
 
-    first = make(out_dir / "stop", 3, "train.save_interval=0")
-    first.train()
+    first, _ = train(out_dir / "stop", 3, "train.save_interval=0")
     before = snapshot(first)
-    stop = make(
+    stop, code = train(
         out_dir / "stop",
         6,
         "train.save_interval=0",
         "train.max_consecutive_skips=3",
         fault="inf_grad@4x3",
     )
-    code = stop.train()
     per_rank = [None, None]
     dist.all_gather_object(
         per_rank,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.inference.convert import load_pipeline_checkpoint
 from tests.faults.common import BASE, TRAIN
 from tests.pipeline.conftest import ROOT
 
@@ -63,7 +63,7 @@ def test_damaged_file_is_named(save_dir, what, damage):
     DAMAGE[damage](path)
     with pytest.raises(ckpt.CheckpointError, match=FILES[what]):
         resume_check(save_dir)
-    with pytest.raises(ConvertError, match=FILES[what]):
+    with pytest.raises(ckpt.CheckpointError, match=FILES[what]):
         load_pipeline_checkpoint(save_dir)
 
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.faults.common import (
     DP_STEPS,

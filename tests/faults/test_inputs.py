@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import CONFIG_DIR, ConfigError, load_config
-from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.inference.convert import load_pipeline_checkpoint
 from megatron_branchnorm.inference.export import ExportError, load_export, save_export
 from megatron_branchnorm.partition import partition_plan
 
@@ -52,7 +52,7 @@ def test_pickle_layer_file_is_refused_not_run(fault_harness, tmp_path):
     marker = tmp_path / "pwned"
     write_payload(tag_dir / "layer_01-model_states.pt", marker)
     ckpt.write_manifest(tag_dir, 12)  # the attacker rewrites the checksums too
-    with pytest.raises(ConvertError, match="layer_01-model_states.pt: cannot read layer file"):
+    with pytest.raises(ckpt.CheckpointError, match="layer_01-model_states.pt: cannot read layer"):
         load_pipeline_checkpoint(save_dir)
     assert not marker.exists()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
-from megatron_branchnorm.training.exit_codes import FAULT_EXIT_CODE
+from megatron_branchnorm.experiments.fault_inject import FAULT_EXIT_CODE
+from megatron_branchnorm.formats import checkpoint as ckpt
 from tests.faults.common import assert_matches_reference
 from tests.faults.conftest import RESTARTED, SAVE_KILLS
 

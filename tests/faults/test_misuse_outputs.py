@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.cli import MARKER, read_marker, write_marker
 from megatron_branchnorm.commands import convert as convert_cmd
 from megatron_branchnorm.commands import corpus as corpus_cmd
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
-from megatron_branchnorm.rehearse import train_spm
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.workflows.rehearse import train_spm
 from tests.data.conftest import make_opus
 from tests.data.test_locale_corpus import _fake_locale
 
@@ -598,7 +598,7 @@ def test_ctrl_c_during_preprocess(tmp_path):
 
 
 def test_demo_refuses_an_out_directory_it_did_not_write(tmp_path):
-    from megatron_branchnorm.demo import DemoError, DemoOptions, run_demo
+    from megatron_branchnorm.workflows.demo import DemoError, DemoOptions, run_demo
 
     home = tmp_path / "home"
     (home / "data").mkdir(parents=True)
@@ -614,7 +614,7 @@ def test_demo_refuses_an_out_directory_it_did_not_write(tmp_path):
 
 
 def test_rehearse_overwrite_removes_only_a_rehearsal_workdir(tmp_path):
-    from megatron_branchnorm.rehearse import RehearsalError, rehearse
+    from megatron_branchnorm.workflows.rehearse import RehearsalError, rehearse
 
     mine = tmp_path / "runs"
     (mine / "week3").mkdir(parents=True)

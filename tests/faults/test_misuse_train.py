@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm import resume_policy
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, load_config
+from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.run_lock import LOCK_NAME, STALE_S, LockError, RunLock
 from tests.data.conftest import make_opus, run_preprocess
-from tests.faults.common import TRAIN, records
+from tests.faults.common import INJECTOR, TRAIN, records
 from tests.pipeline.conftest import ROOT, free_port, rank_env
 
 pytestmark = pytest.mark.faults
@@ -52,9 +53,10 @@ def start(
     procs = []
     for r in range(world):
         env = rank_env(r, world, port)
-        if fault:
-            env["MBN_FAULT_INJECT"] = fault
-        args = [TRAIN, "--config", "tiny_cpu", *TINY, *stages, f"train.save_dir={save_dir}"]
+        if fault:  # train.py's main inside the test-only fault injector
+            env[FAULT_ENV] = fault
+        entry = ["-m", INJECTOR] if fault else [TRAIN]
+        args = [*entry, "--config", "tiny_cpu", *TINY, *stages, f"train.save_dir={save_dir}"]
         procs.append(
             subprocess.Popen(
                 [sys.executable, *args, *overrides],

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.patience import Patience
 from megatron_branchnorm.training.metrics import format_eta
 

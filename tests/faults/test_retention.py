@@ -4,21 +4,26 @@ never the checkpoint a resume loads, the same after a preemption and resume."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
 from megatron_branchnorm.config import ConfigError, load_config
-from megatron_branchnorm.retention import (
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import (
     BEST_FILE,
+    append_bleu_row,
+    valid_losses,
+    validation_bleus,
+)
+from megatron_branchnorm.retention import (
     apply_retention,
     best_checkpoints,
     checkpoints_to_remove,
 )
-from megatron_branchnorm.training.metrics import valid_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
@@ -70,7 +75,8 @@ def test_apply_removes_whole_directories_and_records_the_best(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert left == tags(2, 8)
     best = json.loads((tmp_path / BEST_FILE).read_text())
-    assert best == {"metric": "valid_loss", "checkpoints": [{"tag": "global_step2", "valid_loss": 3.0}]}  # fmt: skip
+    entry = {"tag": "global_step2", "valid_loss": 3.0, "checkpoint_id": ckpt.checkpoint_id(tmp_path / "global_step2")}  # fmt: skip
+    assert best == {"metric": "valid_loss", "checkpoints": [entry]}
     assert "removed global_step4, global_step6, global_step3" in line
 
 
@@ -140,32 +146,105 @@ def test_convert_the_best_or_the_average_of_the_best(tmp_path):
     assert out.returncode == 2 and "--average-best 3 but best.json names 2" in out.stderr
 
 
+DEV = {
+    "split": "dev",
+    "sentences": 200,
+    "references_sha256": "ab12",
+    "beam": 4,
+    "bleu": "sacrebleu",
+}
+"""A scoring object as the companion writes it (inference/valid_bleu.py::scoring_of)."""
+
+
+def fake_checkpoints(run: Path, *steps: int) -> None:
+    """Complete checkpoints whose manifests (so ids) differ, ``latest`` at the last."""
+    for step in steps:
+        (run / ckpt.tag_for(step)).mkdir()
+        (run / ckpt.tag_for(step) / ckpt.MANIFEST).write_text(json.dumps({"step": step}))
+    ckpt.write_latest(run, ckpt.tag_for(steps[-1]))
+
+
+def bleu_rows(run: Path, scores: dict[int, float], scoring: dict | None = None) -> None:
+    """The companion's rows for the checkpoints now at these steps, scored as ``scoring``."""
+    for step, bleu in scores.items():
+        tag = ckpt.tag_for(step)
+        row = {"step": step, "tag": tag, "checkpoint_id": ckpt.checkpoint_id(run / tag)}
+        append_bleu_row(run, {**row, "scoring": scoring or DEV, "valid_bleu": bleu})
+
+
+def best_json(run: Path) -> list[tuple[str, float]]:
+    record = json.loads((run / BEST_FILE).read_text())
+    return [(c["tag"], c["valid_bleu"]) for c in record["checkpoints"]]
+
+
 def test_best_by_valid_bleu_keeps_the_highest_and_what_awaits_scoring(tmp_path):
-    for step in (2, 4, 6, 8, 10):
-        (tmp_path / ckpt.tag_for(step)).mkdir()
-        (tmp_path / ckpt.tag_for(step) / ckpt.MANIFEST).write_text("{}")
-    ckpt.write_latest(tmp_path, "global_step10")
+    fake_checkpoints(tmp_path, 2, 4, 6, 8, 10)
     # the companion has scored 2, 4 and 6 (valid_bleu.jsonl); 8 and 10 await it
-    rows = [{"step": s, "valid_bleu": b} for s, b in ((2, 10.0), (4, 30.0), (6, 20.0))]
-    (tmp_path / "valid_bleu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bleu_rows(tmp_path, {2: 10.0, 4: 30.0, 6: 20.0})
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "valid_loss": 9.0}) + "\n")
     removed, line = apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
     assert removed == tags(2, 6)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == tags(10, 4, 8)
     best = json.loads((tmp_path / BEST_FILE).read_text())
-    assert best == {"metric": "valid_bleu", "checkpoints": [{"tag": "global_step4", "valid_bleu": 30.0}]}  # fmt: skip
+    assert best == {"metric": "valid_bleu", "checkpoints": [{"tag": "global_step4", "valid_bleu": 30.0, "checkpoint_id": ckpt.checkpoint_id(tmp_path / "global_step4")}]}  # fmt: skip
     assert "best by valid_bleu: global_step4 (30.0000)" in line
     assert "2 checkpoints await their validation BLEU" in line
     # once 8 and 10 are scored, only the last and the best stay
-    with open(tmp_path / "valid_bleu.jsonl", "a") as fh:
-        fh.write(json.dumps({"step": 8, "valid_bleu": 5.0}) + "\n")
-        fh.write(json.dumps({"step": 10, "valid_bleu": 25.0}) + "\n")
+    bleu_rows(tmp_path, {8: 5.0, 10: 25.0})
     removed, _ = apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
     assert removed == tags(8)
     assert best_checkpoints(tags(4, 10), {4: 30.0, 10: 25.0}, 2, higher_is_better=True) == [
         ("global_step4", 30.0),
         ("global_step10", 25.0),
     ]
+
+
+def test_valid_bleu_ranks_by_the_dev_split_under_one_scoring(tmp_path):
+    """Issue 31: a companion run with --split test wrote rows for the same steps; keep_best
+    ranked by them (the last row of a step won). Only dev rows rank, under one scoring; rows
+    of an older companion (no key) never do."""
+    fake_checkpoints(tmp_path, 2, 4, 6)
+    bleu_rows(tmp_path, {2: 10.0, 4: 30.0, 6: 20.0})  # the companion's dev rows
+    bleu_rows(tmp_path, {2: 50.0, 4: 12.0, 6: 11.0}, {**DEV, "split": "test"})
+    bleu_rows(tmp_path, {6: 90.0}, {**DEV, "sentences": 10})  # a one-off look, other options
+    append_bleu_row(tmp_path, {"step": 2, "valid_bleu": 99.0, "split": "dev"})  # unkeyed
+    steps = {s: ckpt.checkpoint_id(tmp_path / ckpt.tag_for(s)) for s in (2, 4, 6)}
+    assert validation_bleus(tmp_path, steps) == {2: 10.0, 4: 30.0, 6: 20.0}
+    removed, line = apply_retention(tmp_path, keep_last=1, keep_best=2, metric="valid_bleu")
+    assert best_json(tmp_path) == [("global_step4", 30.0), ("global_step6", 20.0)]
+    assert removed == tags(2) and "best by valid_bleu: global_step4 (30.0000)" in line
+
+
+def test_a_rewritten_checkpoint_loses_its_score_for_retention_and_convert(tmp_path):
+    """Issue 31: after a rollback (global_step6 deleted, latest at 4, trained to 6 again) the
+    deleted branch's BLEU ranked the new step 6. A score counts only for the checkpoint it
+    scored; a best.json written before the rewrite is refused by convert."""
+    from megatron_branchnorm.inference.convert import ConvertError, resolve_tags
+
+    fake_checkpoints(tmp_path, 2, 4, 6)
+    bleu_rows(tmp_path, {2: 10.0, 4: 20.0, 6: 30.0})
+    apply_retention(tmp_path, keep_last=0, keep_best=1, metric="valid_bleu")
+    assert best_json(tmp_path) == [("global_step6", 30.0)]
+    assert resolve_tags(tmp_path, "best") == tags(6)
+    # the rollback: global_step6 deleted, latest at 4, and step 6 saved again (other contents)
+    shutil.rmtree(tmp_path / "global_step6")
+    ckpt.write_latest(tmp_path, "global_step4")
+    with pytest.raises(ConvertError, match="not a complete checkpoint"):
+        resolve_tags(tmp_path, "best")
+    fake_checkpoints(tmp_path, 6)
+    (tmp_path / "global_step6" / ckpt.MANIFEST).write_text(json.dumps({"step": 6, "new": 1}))
+    with pytest.raises(ConvertError, match=r"best.json: ranks a global_step6 that has been rewritten"):  # fmt: skip
+        resolve_tags(tmp_path, "best")
+    # the new step 6 is unscored: it waits for the companion and never takes the old score
+    removed, line = apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
+    assert best_json(tmp_path) == [("global_step4", 20.0)]
+    assert removed == tags(2)
+    assert resolve_tags(tmp_path, "best") == tags(4)
+    assert resolve_tags(tmp_path, None, average_best=1) == tags(4)
+    # scored, it ranks by its own row
+    bleu_rows(tmp_path, {6: 25.0})
+    apply_retention(tmp_path, keep_last=1, keep_best=1, metric="valid_bleu")
+    assert best_json(tmp_path) == [("global_step6", 25.0)]
 
 
 def test_best_metric_is_checked():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.faults.common import assert_matches_reference
 

@@ -1,4 +1,4 @@
-"""tools/analyze_model.py and megatron_branchnorm/analysis.py: ranges, known values on
+"""tools/analyze_model.py and experiments/analysis.py: ranges, known values on
 constructed models, padding invariance, the CLI and its one-line errors."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from megatron_branchnorm.analysis import analyze, format_table, pad_batch, shown_layers
 from megatron_branchnorm.experiments import analyze_model
+from megatron_branchnorm.experiments.analysis import analyze, format_table, pad_batch, shown_layers
 from megatron_branchnorm.model import build_model
 
 from .helpers import tiny_config
@@ -124,4 +124,4 @@ def test_cli_errors(tmp_path, text_export, capsys):
     for argv, needle in cases:
         code = main([*argv, "--output", str(tmp_path / "x.png")])
         err = capsys.readouterr().err
-        assert code == 1 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

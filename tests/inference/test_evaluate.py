@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.commands import evaluate as evaluate_cmd
+from megatron_branchnorm.formats.data_dir import DataError
 from megatron_branchnorm.inference.evaluate import (
     EvaluationError,
     averages,
@@ -67,14 +68,14 @@ def test_references_from_manifest(tmp_path):
     refs = references_from_manifest(data, "test")
     assert sorted(refs) == ["de-en", "en-de", "en-zh", "zh-en"]
     assert refs["en-zh"].ref_path == data / "raw" / "test.en-zh.zh"
-    with pytest.raises(EvaluationError, match="split 'dev' has no references"):
+    with pytest.raises(DataError, match="split 'dev' has no references"):
         references_from_manifest(data, "dev")
-    with pytest.raises(EvaluationError, match="no split 'valid'"):
+    with pytest.raises(DataError, match="no split 'valid'"):
         references_from_manifest(data, "valid")
     (data / "raw" / "test.de-en.de").unlink()
-    with pytest.raises(EvaluationError, match=r"test\.de-en\.de: missing"):
+    with pytest.raises(DataError, match=r"test\.de-en\.de: missing"):
         references_from_manifest(data, "test")
-    with pytest.raises(EvaluationError, match=r"manifest\.json: missing"):
+    with pytest.raises(DataError, match=r"manifest\.json: missing"):
         references_from_manifest(tmp_path, "test")
 
 

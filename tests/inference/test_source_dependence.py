@@ -43,6 +43,6 @@ def test_cli_errors(tmp_path, text_export, capsys):
         ([str(text_export), "--data", str(data)], "manifest.json"),
         ([str(text_export), "--data", str(tmp_path / "none")], "none"),
     ):
-        assert main(argv) == 1
+        assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err

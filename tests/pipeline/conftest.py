@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.launch import free_port
-from megatron_branchnorm.rehearse import rank_env  # the environment srun + common.sh give
+from megatron_branchnorm.launch import (
+    free_port,
+    rank_env,  # the environment srun + common.sh give
+)
 
 __all__ = ["ROOT", "free_port", "launch_ranks", "rank_env"]
 

@@ -30,7 +30,7 @@ from megatron_branchnorm.pipeline import (
 )
 from megatron_branchnorm.synthetic import SyntheticData, collate
 from megatron_branchnorm.training.environment import setup_process_env
-from megatron_branchnorm.training.grad_norm import AdamW
+from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 from megatron_branchnorm.training.trainer import Trainer
 
 SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
@@ -62,7 +62,7 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
     grads: dict[str, torch.Tensor] = {}
     names = spec_names(cfg)
 
-    class Capture(AdamW):
+    class Capture(SkipNonfiniteAdamW):
         def step(self, closure=None):
             for name, p in module.named_parameters():
                 if p.grad is None:

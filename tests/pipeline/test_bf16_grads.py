@@ -119,7 +119,7 @@ def _engine(stages: int, fixed: bool):
     from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
     from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
     from megatron_branchnorm.training.ds_config import load_ds_config
-    from megatron_branchnorm.training.grad_norm import AdamW
+    from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 
     cfg = _model_config(stages)
     ds = load_ds_config(cfg, 1)
@@ -128,7 +128,7 @@ def _engine(stages: int, fixed: bool):
     parts = partition_plan(cfg.model, stages, "balanced")
     module = build_pipeline_module(cfg.model, parts, cfg.train.seed, loss_fn, 1)
     set_branch_scale(module, cfg.model, 3)
-    opt = AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
+    opt = SkipNonfiniteAdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     install_engine_fixes(engine)
     if fixed:

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
+from megatron_branchnorm.formats.checkpoint import CheckpointError
+from megatron_branchnorm.inference.convert import load_pipeline_checkpoint
 from megatron_branchnorm.inference.export import load_export
 from megatron_branchnorm.model import build_model, fold_to_postln
 from megatron_branchnorm.synthetic import SyntheticData, collate
@@ -66,7 +67,7 @@ def test_corrupt_or_missing_layer_file_is_named(harness, tmp_path):
     data = bytearray(layer.read_bytes())
     data[len(data) // 2] ^= 0xFF
     layer.write_bytes(bytes(data))
-    with pytest.raises(ConvertError, match="layer_03-model_states.pt: checksum mismatch"):
+    with pytest.raises(CheckpointError, match="layer_03-model_states.pt: checksum mismatch"):
         load_pipeline_checkpoint(bad)
     layer.unlink()
     proc = subprocess.run(

@@ -1,5 +1,6 @@
-"""tools/gpu_check.py on the CPU (megatron_branchnorm/gpu_check.py): the same checks as on a
-GPU, in small sizes, with fp16 through the test-only emulation."""
+"""tools/gpu_check.py on the CPU (workflows/gpu_check.py): the same checks as on a
+GPU, in small sizes, with fp16 through the test-only emulation (experiments/fault_inject.py),
+applied before gpu_check's main runs."""
 
 from __future__ import annotations
 
@@ -8,17 +9,25 @@ import sys
 
 import pytest
 
-from megatron_branchnorm import gpu_check
-from megatron_branchnorm.training.ds_config import FP16_ON_CPU_ENV
+from megatron_branchnorm.workflows import gpu_check
 from tests.pipeline.conftest import ROOT
 
 pytestmark = pytest.mark.distributed
 
 
+EMULATED_GPU_CHECK = (
+    "from megatron_branchnorm.experiments.fault_inject import emulate_fp16_on_cpu\n"
+    "emulate_fp16_on_cpu()\n"
+    "from megatron_branchnorm.workflows.gpu_check import main\n"
+    "raise SystemExit(main())\n"
+)
+"""tools/gpu_check.py with DeepSpeed's CPU accelerator reporting fp16 as supported."""
+
+
 def test_gpu_check_on_cpu_prints_one_passing_table(tmp_path):
-    env = {**__import__("os").environ, FP16_ON_CPU_ENV: "1"}
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu",
+        [sys.executable, "-c", EMULATED_GPU_CHECK, "--device", "cpu",
          "--ranks", "2", "--steps", "2", "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900,
     )  # fmt: skip

@@ -18,9 +18,11 @@ import sys
 
 import pytest
 
-from megatron_branchnorm import checkpoint as ckpt
+from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from tests.faults.common import (
+    INJECTOR,
     assert_matches_reference,
     kill_hard_when,
     last_by_step,
@@ -67,7 +69,8 @@ def multistage(tmp_path_factory):
     args = [a if not a.startswith("train.save_dir=") else f"train.save_dir={run}" for a in args]
     logs = out / "usr1_logs"
     logs.mkdir()
-    procs = launch_ranks(args, 4, logs, env={"MBN_FAULT_INJECT": "slow@0.3"})
+    slow = ["-m", INJECTOR, *args[1:]]  # train.py's main inside the test-only fault injector
+    procs = launch_ranks(slow, 4, logs, env={FAULT_ENV: "slow@0.3"})
     _, codes = kill_hard_when(procs, run, 1, 5, timeout=300, sig=signal.SIGUSR1)
     usr1 = {"codes": codes, "logged": max(last_by_step(run), default=0)}
     usr1["tag"] = ckpt.resume_tag(run)[0]

@@ -6,7 +6,8 @@ accelerator: 2 and 4 stages against 1 stage, and an exact resume.
 
 fp16 cannot run on a CPU without fp16 kernels: there train.py refuses it with one line. The
 fp16 engine path (DeepSpeed's ZeRO-1 optimizer with dynamic loss scaling) runs here through
-the test-only emulation ``MBN_TEST_FP16_ON_CPU=1`` (training.ds_config.FP16_ON_CPU_ENV; what it proves and
+the test-only emulation ``MBN_TEST_FP16_ON_CPU=1`` of the fault injector, which these runs
+launch instead of train.py (experiments/fault_inject.py, FP16_ON_CPU_ENV; what it proves and
 what it does not: docs/design.md §7).
 
 Tolerance, bf16 S stages vs 1 stage, per step: 1e-3 relative. Both compute every micro-batch
@@ -28,13 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_branchnorm.experiments.fault_inject import FP16_ON_CPU_ENV
 from megatron_branchnorm.inference.convert import (
     load_pipeline_checkpoint,
     read_checkpoint,
     repartition_checkpoint,
 )
-from megatron_branchnorm.training.ds_config import FP16_ON_CPU_ENV
-from tests.faults.common import wait_all
+from tests.faults.common import INJECTOR, wait_all
 from tests.pipeline.conftest import ROOT, launch_ranks
 
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
@@ -65,11 +66,13 @@ FP16_JSON = {
 
 
 def _start(out: Path, name: str, stages: int, *extra: str, env: dict | None = None):
-    """``stages`` ranks of tiny_cpu (1 stage: one plain process) saving in out/name."""
+    """``stages`` ranks of tiny_cpu (1 stage: one plain process) saving in out/name; train.py,
+    or with the fp16 emulation asked for in ``env`` train.py's main inside the injector."""
     log_dir = out / f"logs_{name}"
     log_dir.mkdir(exist_ok=True)
+    emulated = (env or {}).get(FP16_ON_CPU_ENV) == "1"
     args = [
-        TRAIN,
+        *(["-m", INJECTOR] if emulated else [TRAIN]),
         "--config",
         "tiny_cpu",
         *BASE,
@@ -273,16 +276,17 @@ def test_fp16_loss_scale_survives_a_resume(fp16):
 
 
 def test_fp16_emulation_is_test_only():
-    """Without the variable the CPU accelerator keeps its own answer."""
+    """The working code never emulates: with the variable set, train.py and the trainer leave
+    the CPU accelerator's own answer; only the fault injector changes it."""
     code = (
-        "import os; os.environ.pop('MBN_TEST_FP16_ON_CPU', None)\n"
-        "from megatron_branchnorm.training.ds_config import allow_fp16_on_cpu_for_tests\n"
+        "import os; os.environ['MBN_TEST_FP16_ON_CPU'] = '1'\n"
+        "import megatron_branchnorm.train, megatron_branchnorm.training.trainer\n"
         "from deepspeed.accelerator import get_accelerator\n"
         "import torch\n"
         "before = get_accelerator().is_fp16_supported()\n"
-        "assert allow_fp16_on_cpu_for_tests() is False\n"
-        "assert get_accelerator().is_fp16_supported() == before\n"
         "assert bool(before) == torch.ops.mkldnn._is_mkldnn_fp16_supported()\n"
+        "from megatron_branchnorm.experiments.fault_inject import emulate_fp16_on_cpu\n"
+        "assert emulate_fp16_on_cpu() and get_accelerator().is_fp16_supported()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-1500:]

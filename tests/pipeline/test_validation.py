@@ -20,11 +20,11 @@ import torch
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
 from megatron_branchnorm.data.sampling import SAMPLING_FILE, temperature_probs
+from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
 from megatron_branchnorm.pipeline import PipeLoss
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training.data import resolve_vocab
-from megatron_branchnorm.training.metrics import read_metrics
 from megatron_branchnorm.training.validation import ValidSet, summarize
 from tests.data.conftest import make_opus, run_preprocess
 from tests.faults.common import wait_all

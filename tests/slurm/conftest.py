@@ -1,4 +1,4 @@
-"""A real 2-node SLURM on this host for the launcher tests (megatron_branchnorm.local_slurm):
+"""A real 2-node SLURM on this host for the launcher tests (workflows/local_slurm.py):
 Debian's munge, slurmctld and two slurmd, installed with apt-get when missing and started on
 private ports with every file in a temp dir; one cluster serves every test in the session."""
 
@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.local_slurm import Cluster, apt_install, ensure_installed, start_cluster
+from megatron_branchnorm.workflows.local_slurm import (
+    Cluster,
+    apt_install,
+    ensure_installed,
+    start_cluster,
+)
 
 __all__ = ["ROOT", "Cluster", "apt_install"]
 

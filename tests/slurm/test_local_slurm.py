@@ -1,4 +1,4 @@
-"""megatron_branchnorm.local_slurm's config and tools/local_slurm.py, the rehearsal's log parsing,
+"""workflows/local_slurm.py's config and tools/local_slurm.py, the rehearsal's log parsing,
 and slurm/common.sh's time parsing: the parts that need no job."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from megatron_branchnorm.local_slurm import Cluster, node_names, write_config
-from megatron_branchnorm.rehearse_slurm import ranks_exited
+from megatron_branchnorm.workflows.local_slurm import Cluster, node_names, write_config
+from megatron_branchnorm.workflows.rehearse_slurm import ranks_exited
 from tests.slurm.conftest import ROOT
 
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_branchnorm.rehearse_slurm import NARROW, RehearsalSpec, format_result, rehearse
+from megatron_branchnorm.workflows.rehearse_slurm import (
+    NARROW,
+    RehearsalSpec,
+    format_result,
+    rehearse,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

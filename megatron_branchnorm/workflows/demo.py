@@ -1,4 +1,5 @@
-"""The main job end to end on the built-in corpus (``make demo``; docs/demo.md).
+"""The main job end to end on the built-in corpus (``make demo``; docs/demo.md): the workflow
+and its command line (``tools/run_demo.py``, ``mbn-demo``).
 
     corpus (commands/corpus.py) -> preprocess (commands/preprocess.py)
       -> train, 2-stage DeepSpeed pipeline on 2 CPU ranks, in two legs of one run: the first
@@ -8,13 +9,15 @@
       -> evaluate both with beam search and sacreBLEU, next to copy-the-source
       -> plots (plotting.py) and OUT/report.md
 
-Every long step shows a status line with the elapsed time and an estimate of the time left;
-each step's output goes to OUT/logs/<step>.log. The corpus and the preprocessed data are reused
-when OUT already holds them for the same languages and vocabulary; training starts afresh.
+Every long step shows a status line with the elapsed time and an estimate of the time left
+(``steps.py``, shared with the research harness); each step's output goes to
+OUT/logs/<step>.log. The corpus and the preprocessed data are reused when OUT already holds them
+for the same languages and vocabulary; training starts afresh.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -25,18 +28,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap
-from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.launch import LaunchError, deepspeed_command, logged_group
+from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap, run_main
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import read_metrics
+from megatron_branchnorm.launch import LaunchError, deepspeed_command
 from megatron_branchnorm.plotting import series
-from megatron_branchnorm.training.metrics import read_metrics
-
-# Typical durations on a 2-core CPU (seconds), used for the ETA before a step reports progress.
-EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}
-
-
-class DemoError(UserError, RuntimeError):
-    """A demo step failed: a one-line message naming the step and its log."""
+from megatron_branchnorm.steps import (
+    EXPECTED_S,
+    DemoError,
+    Status,
+    fmt_time,
+    prepare_data,
+    run_logged,
+)
 
 
 @dataclass
@@ -70,96 +74,6 @@ class DemoOptions:
 
 
 # --------------------------------------------------------------------------------------------
-# Status line
-# --------------------------------------------------------------------------------------------
-
-
-def fmt_time(seconds: float) -> str:
-    """``mm:ss`` (or ``h:mm:ss``) of a non-negative duration."""
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-class Status:
-    """One live status line per step: elapsed, estimated time left, a detail string.
-
-    On a terminal the line is redrawn in place; otherwise a line is printed every
-    ``every_s`` seconds (logs stay short).
-    """
-
-    def __init__(self, stream: Any = None, every_s: float = 30.0) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every_s = every_s
-        self.demo_start = time.time()
-        self._last_print = 0.0
-        self._width = 0
-
-    def update(self, label: str, start: float, left_s: float | None, detail: str = "") -> None:
-        """Show ``label``'s progress; ``left_s`` None means unknown."""
-        now = time.time()
-        eta = "?" if left_s is None else f"~{fmt_time(left_s)}"
-        line = f"{label}: {fmt_time(now - start)} elapsed, {eta} left"
-        if detail:
-            line += f" | {detail}"
-        if self.tty:
-            pad = max(0, self._width - len(line))
-            self.stream.write("\r" + line + " " * pad)
-            self.stream.flush()
-            self._width = len(line)
-        elif now - self._last_print >= self.every_s:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-            self._last_print = now
-
-    def done(self, label: str, start: float, detail: str = "") -> None:
-        """Close ``label``'s line with its duration."""
-        line = f"{label}: done in {fmt_time(time.time() - start)}"
-        if detail:
-            line += f" | {detail}"
-        if self.tty:
-            line += " " * max(0, self._width - len(line))
-            self.stream.write("\r")
-        self.stream.write(line + "\n")
-        self.stream.flush()
-        self._width = 0
-        self._last_print = 0.0
-
-
-def run_logged(
-    cmd: list[str],
-    log: Path,
-    label: str,
-    status: Status,
-    expected_s: float | None,
-    detail: Callable[[], tuple[float | None, str]] | None = None,
-    env: dict[str, str] | None = None,
-) -> float:
-    """Run ``cmd`` with its output in ``log``, showing a status line; returns the seconds taken.
-
-    ``detail()`` may give (seconds left, text) while the command runs; without it the time left
-    is ``expected_s`` minus the elapsed time, or unknown ("?") when ``expected_s`` is None.
-    """
-    start = time.time()
-    # Own process group: an interrupt stops the launcher *and* the ranks it started.
-    with logged_group(cmd, log, env=env) as proc:
-        while proc.poll() is None:
-            left, text = detail() if detail else (None, "")
-            if left is None and expected_s is not None:
-                left = max(0.0, expected_s - (time.time() - start))
-            status.update(label, start, left, text)
-            time.sleep(1.0)
-    if proc.returncode != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
-        sys.stderr.write("\n" + "\n".join("  | " + line for line in tail) + "\n")
-        raise DemoError(f"{label} failed (exit {proc.returncode}); full log: {log}")
-    status.done(label, start)
-    return time.time() - start
-
-
-# --------------------------------------------------------------------------------------------
 # Steps
 # --------------------------------------------------------------------------------------------
 
@@ -175,25 +89,12 @@ def parse_layers(layers: str | None) -> list[str]:
     return [f"model.encoder_layers={enc}", f"model.decoder_layers={dec}"]
 
 
-def data_matches(data_dir: Path, langs: list[str], vocab_size: int) -> bool:
-    """Whether ``data_dir`` is a complete preprocessed DATA_DIR for these settings."""
-    manifest = data_dir / "manifest.json"
-    if not manifest.is_file():
-        return False
-    try:
-        m = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    wanted = sorted({*langs, m.get("pivot", "en")})
-    return m.get("languages") == wanted and m.get("vocab_size") == vocab_size
-
-
 def latest_tag(save_dir: Path) -> str:
     """The tag in ``save_dir/latest`` (the checkpoint a leg ended with)."""
-    path = save_dir / "latest"
-    if not path.is_file():
-        raise DemoError(f"{path}: missing after training")
-    return path.read_text(encoding="utf-8").strip()
+    tag = ckpt.read_latest(save_dir)
+    if tag is None:
+        raise DemoError(f"{save_dir / ckpt.LATEST}: missing after training")
+    return tag
 
 
 def copy_source_scores(data_dir: Path, max_sentences: int) -> dict[str, Any]:
@@ -273,8 +174,8 @@ def evaluate_export(
 def source_use(export: Path, data_dir: Path, batches: int = 10) -> dict[str, float]:
     """Teacher-forced NLL per target token on the first dev batches (2048 tokens each) with the
     true source, the sources shuffled and an empty source (analysis.source_dependence)."""
-    from megatron_branchnorm.analysis import source_dependence
     from megatron_branchnorm.data import BatchSampler, TranslationData
+    from megatron_branchnorm.experiments.analysis import source_dependence
     from megatron_branchnorm.inference.export import load_export
 
     model, _, _ = load_export(export)
@@ -334,77 +235,6 @@ def train_leg(
         detail,
         env,
     )
-
-
-def prepare_data(
-    out: Path,
-    corpus_dir: Path | None,
-    langs: list[str],
-    vocab_size: int,
-    status: Status,
-    timings: dict[str, float],
-) -> Path:
-    """Steps 1-2 of the demo: the locale corpus (``OUT/corpus``, unless ``corpus_dir`` is given)
-    and its DATA_DIR ``OUT/data``, each reused when it matches; returns the DATA_DIR. Seconds
-    taken go into ``timings``."""
-    logs = out / "logs"
-    py = sys.executable
-    corpus = corpus_dir
-    if corpus is None:
-        corpus = out / "corpus"
-        if (corpus / "locale_corpus.json").is_file() and data_matches(
-            out / "data", langs, vocab_size
-        ):
-            print(f"[1/7] corpus: reusing {corpus}", file=sys.stderr)
-        else:
-            if corpus.exists():
-                shutil.rmtree(corpus)
-            timings["corpus"] = run_logged(
-                [
-                    py,
-                    "-m",
-                    "megatron_branchnorm.commands.corpus",
-                    "--output",
-                    str(corpus),
-                    "--langs",
-                    ",".join(langs),
-                ],
-                logs / "corpus.log",
-                "[1/7] corpus",
-                status,
-                EXPECTED_S["corpus"],
-            )
-    data = out / "data"
-    if data_matches(data, langs, vocab_size):
-        print(f"[2/7] preprocess: reusing {data}", file=sys.stderr)
-    else:
-        if data.exists():
-            shutil.rmtree(data)
-        timings["preprocess"] = run_logged(
-            [
-                py,
-                "-m",
-                "megatron_branchnorm.commands.preprocess",
-                "--format",
-                "opus100",
-                "--input",
-                str(corpus),
-                "--langs",
-                ",".join(langs),
-                "--output",
-                str(data),
-                "--vocab-size",
-                str(vocab_size),
-                "--workers",
-                "2",
-                "--no-progress",
-            ],
-            logs / "preprocess.log",
-            "[2/7] preprocess",
-            status,
-            EXPECTED_S["preprocess"],
-        )
-    return data
 
 
 DEMO_KIND = "demo"
@@ -681,7 +511,7 @@ def write_report(r: DemoResult, path: Path) -> None:
             f"lr {t['lr']} with {t['warmup_steps']} warm-up updates, {t['micro_batches']} "
             f"micro-batches of {dd['max_tokens']} tokens, max length {dd['max_length']}"
         )
-    steps = {k: int(v.removeprefix("global_step")) for k, v in r.tags.items()}
+    steps = {k: ckpt.tag_step(v) for k, v in r.tags.items()}
     tm = r.timings
     lines = [
         "# BranchNorm demo report",
@@ -734,3 +564,117 @@ def write_report(r: DemoResult, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("\n".join(lines), encoding="utf-8")
     tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+PROG = "run_demo.py"
+USAGE = """Run the main job end to end on the built-in corpus (what `make demo` does).
+
+    python tools/run_demo.py --out runs/demo --langs de,fr --minutes 15
+    python tools/run_demo.py --out runs/demo24 --layers 24 --minutes 20
+
+Builds the English-centric locale corpus, preprocesses it, trains the demo_cpu config through
+the 2-stage DeepSpeed pipeline on 2 CPU ranks for --minutes (with an early checkpoint), converts
+and evaluates both checkpoints with beam search and sacreBLEU, and writes OUT/report.md and
+OUT/plots/training.png. Bad input or a failed step: one line ``error: ...`` and exit 2. See
+docs/demo.md.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> DemoOptions:
+    d = DemoOptions()
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=USAGE.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
+    )
+    p.add_argument("--out", default=str(d.out), help=f"output directory (default {d.out})")
+    p.add_argument("--langs", default=d.langs, help=f"languages paired with English ({d.langs})")
+    p.add_argument("--config", default=d.config, help=f"training config (default {d.config})")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=d.minutes,
+        help=f"training time budget (default {d.minutes:g})",
+    )
+    p.add_argument(
+        "--early-fraction",
+        type=float,
+        default=d.early_fraction,
+        help=f"share of the budget before the early checkpoint ({d.early_fraction})",
+    )
+    p.add_argument(
+        "--layers", default=None, help="N or N-M encoder-decoder depth (default: config)"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=d.vocab_size,
+        help=f"SentencePiece vocabulary (default {d.vocab_size})",
+    )
+    p.add_argument(
+        "--eval-sentences",
+        type=int,
+        default=d.eval_sentences,
+        help=f"test sentences per direction (default {d.eval_sentences})",
+    )
+    p.add_argument("--beam", type=int, default=d.beam, help=f"beam size (default {d.beam})")
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="an existing OPUS-100-layout corpus instead of the built-in one",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra training override (repeatable)",
+    )
+    a = p.parse_args(argv)
+    if a.eval_sentences < 1:
+        p.error(f"--eval-sentences must be >= 1, got {a.eval_sentences}")
+    if a.vocab_size < 16:
+        p.error(f"--vocab-size must be >= 16, got {a.vocab_size}")
+    if a.beam < 1:
+        p.error(f"--beam must be >= 1, got {a.beam}")
+    return DemoOptions(
+        out=Path(a.out),
+        langs=a.langs,
+        config=a.config,
+        minutes=a.minutes,
+        early_fraction=a.early_fraction,
+        layers=a.layers,
+        vocab_size=a.vocab_size,
+        eval_sentences=a.eval_sentences,
+        beam=a.beam,
+        corpus=Path(a.corpus) if a.corpus else None,
+        overrides=a.overrides,
+    )
+
+
+def _demo(argv: list[str] | None) -> int:
+    opts = parse_args(argv)
+    start = time.time()
+    result = run_demo(opts)
+    avg = {k: v["averages"]["all"] for k, v in result.reports.items()}
+    print(
+        f"demo done in {fmt_time(time.time() - start)}: average BLEU {avg['early']:.1f} (early) "
+        f"-> {avg['final']:.1f} (final), copy-the-source {avg['copy-source']:.1f}; "
+        f"report: {opts.out / 'report.md'}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo and print its BLEU summary (``tools/run_demo.py``, ``mbn-demo``)."""
+    return run_main(_demo, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Rehearse a shipped sbatch launcher on a local SLURM cluster (megatron_branchnorm.local_slurm):
+"""Rehearse a shipped sbatch launcher on a local SLURM cluster (workflows/local_slurm.py):
 submit it unchanged at its node x rank topology on CPU, send SIGUSR1 after a few updates, and
 check what a GPU allocation would rely on: every rank checkpoints and exits 75, the job
 requeues itself, resumes and finishes, and ``metrics.jsonl`` has every step exactly once.
@@ -9,22 +9,34 @@ requeues itself, resumes and finishes, and ``metrics.jsonl`` has every step exac
 
 The figures (job start to first update, time per update, signal to exit, save, requeue to
 resume, total) come from polling the job's log and metrics file every ``poll`` seconds.
-``commands/rehearse_slurm.py`` is the command line; tests/slurm/test_multinode.py a small case.
+:func:`main` is the command line (``tools/rehearse_slurm.py``, :data:`USAGE`);
+tests/slurm/test_multinode.py a small case.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.config import load_config
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.launch import CHECKOUT
-from megatron_branchnorm.local_slurm import FINAL_STATES, Cluster
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
+from megatron_branchnorm.workflows.local_slurm import (
+    FINAL_STATES,
+    Cluster,
+    ClusterError,
+    ensure_installed,
+    start_cluster,
+)
 
 # the model shrunk in width only (depth, stages and topology stay the launcher's)
 NARROW = (
@@ -236,9 +248,8 @@ def rehearse(
     topology = f"world {world} = {spec.stages} stages x {world // spec.stages} data-parallel"
     steps = [s for s, _, _ in watch.step_times]
     saves = [(m.group(1), float(m.group(2))) for m in SAVED.finditer(text)]
-    saved_steps = sorted(
-        int(p.name.removeprefix("global_step")) for p in (work / "run").glob("global_step*")
-    )
+    complete, partial = ckpt.checkpoint_tags(work / "run")
+    saved_steps = sorted(ckpt.tag_step(t) for t in complete + partial)
     restarts = cluster.job_field(job_id, "Restarts")
     checks = [
         ("job completed", state == "COMPLETED", state),
@@ -328,3 +339,102 @@ def default_spec(
     return RehearsalSpec(
         launcher, nodes, ranks_per_node, stages, steps, signal_after, overrides=overrides
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+USAGE = """Rehearse a shipped sbatch launcher at its real topology on a local CPU SLURM cluster before
+spending GPU hours: start K local nodes, submit the launcher unchanged (only the model's width
+shrunk), send SIGUSR1 after a few updates, and check that every rank checkpoints and exits 75,
+the job requeues, resumes and finishes, and metrics.jsonl has every step once. Prints the checks,
+the figures (start-up, time per update, signal to exit, save, requeue to resume, total) and the
+exact sbatch command; exit 0 when every check passed.
+
+    python tools/rehearse_slurm.py                                     # opus100_1000L, 4 x 8 ranks
+    python tools/rehearse_slurm.py --launcher slurm/opus100_200L.sh --nodes 2
+    python tools/rehearse_slurm.py --cluster /tmp/mbslurm              # a cluster already started
+
+The 1000-layer case needs ~10-13 GB of memory for its 32 ranks and ~13 minutes on 2 cores: run
+it alone. Bad input or a cluster that does not start: one line
+``error: ...`` and exit 2.
+"""
+"""The command line's help (``tools/rehearse_slurm.py --help``)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see :data:`USAGE`)."""
+    parser = argparse.ArgumentParser(
+        description=USAGE.split("\n\n")[0],
+        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--launcher", default="slurm/opus100_1000L.sh")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="train.max_steps")
+    parser.add_argument("--signal-after", type=int, default=2, help="updates before SIGUSR1")
+    parser.add_argument(
+        "--micro-batches", type=int, default=None, help="train.micro_batches (default: config's)"
+    )
+    parser.add_argument("--time", default="60", help="sbatch --time (above the signal lead)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the job")
+    parser.add_argument("--work", type=Path, default=None, help="job log and run directory")
+    parser.add_argument(
+        "--cluster", type=Path, default=None, help="use the cluster in this directory"
+    )
+    return parser.parse_args(argv)
+
+
+def launcher_stages(launcher: str) -> int:
+    """pipeline.stages of the config a launcher runs by default (CONFIG=${CONFIG:-name})."""
+    text = (CHECKOUT / launcher).read_text()
+    name = re.search(r"CONFIG=\$\{CONFIG:-([\w./-]+)\}", text).group(1)
+    return load_config(name).pipeline.stages
+
+
+def _rehearse(argv: list[str] | None) -> int:
+    """Parse, start a cluster (unless given one), rehearse, print the tables."""
+    args = parse_args(argv)
+    spec = default_spec(
+        args.launcher,
+        args.nodes,
+        args.ranks_per_node,
+        launcher_stages(args.launcher),
+        args.steps,
+        args.signal_after,
+        args.micro_batches,
+    )
+    spec.time_limit = args.time
+    work = args.work or Path(tempfile.mkdtemp(prefix="rehearse_"))
+    own = args.cluster is None
+    if own:
+        reason = ensure_installed()
+        if reason is not None:
+            raise ClusterError(f"SLURM cannot be installed: {reason}")
+        cluster = start_cluster(work / "slurm", args.nodes, args.ranks_per_node)
+        if cluster.hosts_added:
+            print(f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}")
+    else:
+        cluster = Cluster.from_dir(args.cluster)
+    try:
+        result = rehearse(cluster, spec, work / "job", timeout=args.timeout, echo=True)
+    finally:
+        if own:
+            cluster.stop()
+    print(format_result(result))
+    failures = result.failures()
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tools/rehearse_slurm.py``: exit 0 when every check passed, 1 when one failed, 2 on bad
+    input or a cluster that cannot start."""
+    return run_main(_rehearse, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

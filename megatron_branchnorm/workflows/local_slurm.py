@@ -10,20 +10,25 @@ so they must resolve; :func:`ensure_resolvable` adds the missing ones to ``/etc/
     cluster.run("sbatch", "--gres=none", "slurm/opus100_1000L.sh")
     cluster.stop()
 
-``commands/local_slurm.py`` is the command line (``tools/local_slurm.py``);
+:func:`main` is the command line (``tools/local_slurm.py``, :data:`USAGE`);
 ``tests/slurm/conftest.py`` the test fixture.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.errors import UserError
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "munge")
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
@@ -73,6 +78,10 @@ MinJobAge=600
 NodeName={prefix}[1-{nodes}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{port}-{last_port}] CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={prefix}[1-{nodes}] Default=YES MaxTime=INFINITE State=UP
 """
+
+
+class ClusterError(UserError, RuntimeError):
+    """The local cluster could not be installed, started or used (a one-line message)."""
 
 
 def apt_install(packages: tuple[str, ...]) -> str | None:
@@ -144,10 +153,10 @@ def ensure_resolvable(names: list[str], hosts: Path = HOSTS) -> list[str]:
                 for name in missing:
                     fh.write(f"127.0.0.1 {name}  {HOSTS_MARK}\n")
         except OSError as exc:
-            raise RuntimeError(f"node names {missing} do not resolve and {exc}") from exc
+            raise ClusterError(f"node names {missing} do not resolve and {exc}") from exc
     still = [n for n in missing if not _resolves(n)]
     if still:
-        raise RuntimeError(f"node names do not resolve after adding them to {hosts}: {still}")
+        raise ClusterError(f"node names do not resolve after adding them to {hosts}: {still}")
     return missing
 
 
@@ -171,7 +180,7 @@ def _free_ports(count: int, tries: int = 200) -> int:
         finally:
             for sock in socks:
                 sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
+    raise ClusterError(f"no {count} consecutive free ports found")
 
 
 def client_env(conf: Path, base: dict | None = None) -> dict:
@@ -210,7 +219,7 @@ class Cluster:
             list(cmd), env=env, capture_output=True, text=True, timeout=timeout, **kwargs
         )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}")
+            raise ClusterError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}")
         return proc
 
     def job_field(self, job_id: str, key: str) -> str:
@@ -236,7 +245,7 @@ class Cluster:
             if sorted(states) == sorted(self.nodes) and set(states.values()) == {"idle"}:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"nodes not idle after {timeout:.0f}s: {states}\n{self.logs()}")
+        raise ClusterError(f"nodes not idle after {timeout:.0f}s: {states}\n{self.logs()}")
 
     def wait_job(self, job_id: str, timeout: float, poll: float = 1.0) -> str:
         """Wait until the job leaves the queue for good; its final state ('' on timeout)."""
@@ -363,12 +372,12 @@ def start_cluster(
 ) -> Cluster:
     """Write the config under ``root`` and start munged, slurmctld and one slurmd per node;
     returns once every node is idle. ``cred_expire`` is also the requeue delay in seconds.
-    Raises RuntimeError (after stopping what it started) when a daemon does not come up."""
+    Raises ClusterError (after stopping what it started) when a daemon does not come up."""
     if not 1 <= nodes <= 64:
-        raise ValueError(f"nodes must be 1..64, not {nodes}")
+        raise ClusterError(f"nodes must be 1..64, not {nodes}")
     root = Path(root).resolve()
     if (root / "run" / "slurmctld.pid").is_file():
-        raise RuntimeError(f"{root} already holds a cluster: stop it first")
+        raise ClusterError(f"{root} already holds a cluster: stop it first")
     names = node_names(nodes)
     added = ensure_resolvable(names)
     conf = write_config(root, nodes, cpus, cred_expire)
@@ -398,5 +407,83 @@ def start_cluster(
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logs = cluster.logs()
         cluster.stop()
-        raise RuntimeError(f"the local SLURM did not start: {exc}\n{logs}") from exc
+        raise ClusterError(f"the local SLURM did not start: {exc}\n{logs}") from exc
     return cluster
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+USAGE = """Start or stop a real SLURM cluster of K nodes on this host (munged, slurmctld, K slurmd),
+every file in one directory; for rehearsing the sbatch launchers on CPU before GPU hours.
+
+    python tools/local_slurm.py start --dir /tmp/mbslurm --nodes 4 --cpus 8
+    export SLURM_CONF=/tmp/mbslurm/slurm.conf          # what `start` and `env` print
+    sbatch --nodes=4 --gres=none --cpus-per-task=1 slurm/opus100_1000L.sh
+    python tools/local_slurm.py stop --dir /tmp/mbslurm
+
+Needs root (SlurmUser=root, and slurm/munge are installed with apt-get when missing). The node
+names (mbn1..mbnK) are added to /etc/hosts as 127.0.0.1 aliases when they do not resolve, and
+left there. Errors: one line ``error: ...``, exit 2.
+"""
+"""The command line's help (``tools/local_slurm.py --help``)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see :data:`USAGE`)."""
+    parser = argparse.ArgumentParser(
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
+        description=USAGE.split("\n\n")[0],
+    )
+    parser.add_argument("action", choices=("start", "stop", "env", "status"))
+    parser.add_argument("--dir", required=True, type=Path, help="the cluster's directory")
+    parser.add_argument("--nodes", type=int, default=2, help="slurmd daemons (start)")
+    parser.add_argument("--cpus", type=int, default=8, help="CPUs each node announces (start)")
+    parser.add_argument(
+        "--requeue-delay",
+        type=int,
+        default=10,
+        help="seconds before a requeued job may start again (munge cred_expire; SLURM's "
+        "default is 120)",
+    )
+    return parser.parse_args(argv)
+
+
+def _act(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    if args.action == "start":
+        reason = ensure_installed()
+        if reason is not None:
+            raise ClusterError(f"SLURM cannot be installed: {reason}")
+        cluster = start_cluster(args.dir, args.nodes, args.cpus, args.requeue_delay)
+        if cluster.hosts_added:
+            print(
+                f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}",
+                file=sys.stderr,
+            )
+        nodes = ", ".join(f"{n}: {s}" for n, s in cluster.node_states().items())
+        print(f"started {len(cluster.nodes)} node(s) x {args.cpus} CPUs ({nodes})", file=sys.stderr)
+    else:
+        cluster = Cluster.from_dir(args.dir)
+        if args.action == "stop":
+            cluster.stop()
+            print(f"stopped the cluster in {cluster.root}", file=sys.stderr)
+            return 0
+        if args.action == "status":
+            print(cluster.run("sinfo", "-N", check=False).stdout, end="")
+            print(cluster.run("squeue", check=False).stdout, end="")
+            return 0
+    print(f"export SLURM_CONF={cluster.conf}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, act, print the client environment (``tools/local_slurm.py``). An error (SLURM
+    missing, a daemon that does not start, no cluster in --dir) is one line and exit 2."""
+    return run_main(_act, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

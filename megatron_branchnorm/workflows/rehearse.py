@@ -36,6 +36,7 @@ computes the checks and figures from a finished work directory again (``--evalua
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -52,12 +53,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, prepare_output, write_marker
+from megatron_branchnorm.cli import OutputError, prepare_output, run_main, write_marker
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.launch import CHECKOUT, free_port
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import read_metrics as read_run_metrics
+from megatron_branchnorm.launch import CHECKOUT, free_port, rank_env
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
-from megatron_branchnorm.training.metrics import read_metrics as read_run_metrics
 from megatron_branchnorm.training.metrics import training_rows
 
 SHRINK: tuple[str, ...] = (
@@ -303,21 +305,6 @@ def cpu_description() -> str:
     return f"{model}, {os.cpu_count()} cores{mem}"
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The environment of one rank, as srun + slurm/common.sh would give it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MBN_FAULT"))}
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
 def peak_rss_mb(pid: int) -> float | None:
     """VmHWM (peak resident set) of a live process, MiB; None once it is gone."""
     try:
@@ -525,7 +512,7 @@ def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def read_metrics(save_dir: Path) -> list[dict[str, Any]]:
+def read_training_rows(save_dir: Path) -> list[dict[str, Any]]:
     """The training rows of ``save_dir/metrics.jsonl`` (no validation or skip rows)."""
     return training_rows(read_run_metrics(save_dir))
 
@@ -557,8 +544,8 @@ def check_parity(plan: dict, runs: dict, workdir: Path) -> dict[str, Any]:
     for r in ("uninterrupted", "reference"):
         if problem := _run_problem(runs, r):
             return _check(name, False, problem)
-    real = {r["step"]: r for r in read_metrics(workdir / "uninterrupted")}
-    ref = {r["step"]: r for r in read_metrics(workdir / "reference")}
+    real = {r["step"]: r for r in read_training_rows(workdir / "uninterrupted")}
+    ref = {r["step"]: r for r in read_training_rows(workdir / "reference")}
     steps = range(1, plan["steps"] + 1)
     missing = [s for s in steps if s not in real or s not in ref]
     if missing:
@@ -606,7 +593,7 @@ def check_resume(plan: dict, runs: dict, workdir: Path) -> dict[str, Any]:
     saves = inter.get("saves") or []
     if not saves:
         return _check(name, False, "the interrupted run logged no checkpoint")
-    stop = int(saves[-1]["tag"].removeprefix("global_step"))
+    stop = ckpt.tag_step(saves[-1]["tag"])
     if not 1 <= stop <= n - 2:
         return _check(
             name,
@@ -619,10 +606,10 @@ def check_resume(plan: dict, runs: dict, workdir: Path) -> dict[str, Any]:
     resumed = runs["resumed"].get("resumed")
     if not resumed or resumed["step"] != stop:
         return _check(name, False, f"the resumed run did not log 'resumed from ... step {stop}'")
-    rows = [r for r in read_metrics(workdir / "interrupted") if r["step"] <= n]
+    rows = [r for r in read_training_rows(workdir / "interrupted") if r["step"] <= n]
     if problem := _steps_once(rows, n):
         return _check(name, False, problem)
-    ref = {r["step"]: r for r in read_metrics(workdir / "uninterrupted")}
+    ref = {r["step"]: r for r in read_training_rows(workdir / "uninterrupted")}
     diffs = [
         f"step {r['step']} {k} {r[k]!r} != {ref.get(r['step'], {}).get(k)!r}"
         for r in rows
@@ -653,10 +640,10 @@ def check_other_topology(plan: dict, runs: dict, workdir: Path) -> dict[str, Any
     if not other.get("layout_warning"):
         return _check(name, False, "no 'written with stage layout' warning: not resumed by layer")
     resumed = other.get("resumed")
-    rows = read_metrics(workdir / "interrupted")
+    rows = read_training_rows(workdir / "interrupted")
     if problem := _steps_once(rows, n + more):
         return _check(name, False, problem)
-    ref = {r["step"]: r for r in read_metrics(workdir / "reference")}
+    ref = {r["step"]: r for r in read_training_rows(workdir / "reference")}
     first = rows[n]  # step n + 1
     if first["step"] not in ref:
         return _check(name, False, f"the reference has no step {first['step']}")
@@ -691,9 +678,9 @@ def other_micro_batches(plan: dict) -> int:
 
 def checkpoint_figures(tag_dir: Path) -> dict[str, Any]:
     """Files, layer files and bytes of one checkpoint (from its checksums.json)."""
-    manifest = json.loads((tag_dir / "checksums.json").read_text(encoding="utf-8"))
+    manifest = json.loads((tag_dir / ckpt.MANIFEST).read_text(encoding="utf-8"))
     files = manifest["files"]
-    layer = [f for f in files if re.match(r"^layer_\d+-model_states\.pt$", f)]
+    layer = [f for f in files if ckpt.layer_index(f) is not None]
     return {
         "files": len(files) + 1,
         "layer_files": len(layer),
@@ -735,7 +722,7 @@ def check_export(plan: dict, runs: dict, workdir: Path) -> tuple[dict[str, Any],
     returns the check and its figures."""
     import torch
 
-    from megatron_branchnorm.checkpoint import CheckpointError, verify_checkpoint
+    from megatron_branchnorm.formats.checkpoint import CheckpointError, verify_checkpoint
     from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
     from megatron_branchnorm.inference.export import ExportError, load_export, save_export
     from megatron_branchnorm.inference.translate import SearchOptions, Translator
@@ -745,7 +732,7 @@ def check_export(plan: dict, runs: dict, workdir: Path) -> tuple[dict[str, Any],
     figures: dict[str, Any] = {}
     if problem := _run_problem(runs, "resumed"):
         return _check(name, False, problem), figures
-    tag = f"global_step{plan['steps']}"
+    tag = ckpt.tag_for(plan["steps"])
     save_dir = workdir / "interrupted"
     try:
         figures["checkpoint"] = checkpoint_figures(save_dir / tag)
@@ -975,3 +962,111 @@ def write_outputs(report: dict[str, Any], json_path: str | None, md_path: str | 
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if md_path:
         Path(md_path).write_text(format_table(report), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+USAGE = """Rehearse a config at its real depth and topology, width shrunk, on gloo ranks on this machine.
+
+    python tools/rehearse.py --config opus100_1000L --markdown rehearsal.md --json rehearsal.json
+    python tools/rehearse.py --config tiny_cpu --stages 4 --world 4
+
+Runs the config's pipeline stages x the data-parallel size of its SLURM launcher (or --world)
+as plain processes, with d=16 and synthetic data, and checks: the first updates equal one
+process's; SIGUSR1 saves and the same topology resumes exactly; another stage count resumes
+at the step; the checkpoint converts to an export that translates. Prints one table with the
+start-up time, time per update, peak memory per rank, save/resume times and checkpoint size.
+Exit codes: 0 all checks passed, 1 a check failed, 2 bad input. Details: docs/rehearsal.md.
+"""
+"""The command line's help (``tools/rehearse.py --help``)."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line (see :data:`USAGE`)."""
+    head, _, rest = USAGE.partition("\n\n")
+    p = argparse.ArgumentParser(
+        prog="rehearse.py",
+        description=head,
+        epilog=rest,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="shipped config name or YAML path")
+    p.add_argument(
+        "--world", type=int, default=None, help="ranks (default: from slurm/<config>.sh)"
+    )
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: config's)")
+    p.add_argument(
+        "--other-stages",
+        type=int,
+        default=None,
+        help="stages of the resume on another topology (default: half the stages)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per update and replica (default: the config's; the table says so "
+        "when reduced)",
+    )
+    p.add_argument("--steps", type=int, default=4, help="updates compared (default 4)")
+    p.add_argument(
+        "--other-steps", type=int, default=1, help="updates on the other topology (default 1)"
+    )
+    p.add_argument(
+        "--signal-after", type=int, default=1, help="SIGUSR1 once update N is logged (default 1)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (after the width-shrinking ones)",
+    )
+    p.add_argument("--workdir", default=None, help="default: runs/rehearse/<config>")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --workdir")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run (default 3600)")
+    p.add_argument("--json", default=None, help="write the report as JSON")
+    p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="run no training: check and tabulate the finished rehearsal in --workdir again",
+    )
+    return p.parse_args(argv)
+
+
+def _rehearse(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    workdir = Path(args.workdir or Path("runs") / "rehearse" / Path(args.config).stem)
+    if not args.evaluate_only:
+        plan = make_plan(
+            args.config,
+            args.set,
+            world=args.world,
+            stages=args.stages,
+            other_stages=args.other_stages,
+            micro_batches=args.micro_batches,
+            steps=args.steps,
+            other_steps=args.other_steps,
+            signal_after=args.signal_after,
+            timeout_s=args.timeout,
+        )
+        plan.command = shlex.join(["python", "tools/rehearse.py", *argv])
+        rehearse(plan, workdir, overwrite=args.overwrite)
+    report = evaluate(workdir)
+    print(format_table(report), flush=True)
+    write_outputs(report, args.json, args.markdown)
+    return 0 if report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``tools/rehearse.py``, ``mbn-rehearse``): parse, rehearse, check, print the
+    table. Bad input is one line ``error: ...`` and exit 2."""
+    return run_main(_rehearse, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

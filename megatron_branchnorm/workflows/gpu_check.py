@@ -1,5 +1,13 @@
 """One command for whoever has a CUDA machine: does this project compute right there, and how
-fast? (``tools/gpu_check.py``, ``make gpu-check``; docs/performance.md has the results.)
+fast? (``tools/gpu_check.py``, ``mbn-gpu-check``, ``make gpu-check``; docs/performance.md has
+the results.)
+
+    python tools/gpu_check.py                  # every GPU this machine has
+    python tools/gpu_check.py --device cpu     # the same checks on the CPU, in small sizes
+
+Offline (a GPU machine without a network): install torch, then this project from a wheelhouse
+built on a networked machine with ``tools/build_wheelhouse.sh`` (README: GPU check).
+Exit 0: every check passed; 1: one failed (the table says which); 2: bad input.
 
 It prints one table. On the device (``cuda`` when available):
 
@@ -47,9 +55,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.resources import DS_CONFIG_DIR
 
-TRAIN = Path(__file__).resolve().with_name("train.py")
+TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 TOL = {"bf16": {"loss": 1e-2, "grad": 5e-2}, "fp16": {"loss": 2e-3, "grad": 1e-2}}
 PARITY_TOL = 1e-4
 """S stages vs 1 stage, fp32, per step (docs/design.md §5)."""
@@ -148,7 +157,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
         install_engine_fixes,
     )
     from megatron_branchnorm.training.ds_config import load_ds_config
-    from megatron_branchnorm.training.grad_norm import AdamW
+    from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 
     json_name = {"bf16": "zero1_bf16.json", "fp16": "zero1_fp16.json"}
     train = dataclasses.replace(
@@ -166,7 +175,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
         cfg.model, partition_plan(cfg.model, 1, "balanced"), cfg.train.seed, loss_fn, ckpt_interval
     )
     set_branch_scale(module, cfg.model, step)
-    opt = AdamW([p for p in module.parameters() if p.requires_grad], lr=0.0)
+    opt = SkipNonfiniteAdamW([p for p in module.parameters() if p.requires_grad], lr=0.0)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     install_engine_fixes(engine)
     items = [
@@ -238,8 +247,7 @@ def apex_rows(device: str) -> list[Row]:
 
 def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) -> float:
     """Run train.py on ``world`` ranks (one process each, as srun starts them); seconds."""
-    from megatron_branchnorm.launch import free_port
-    from megatron_branchnorm.rehearse import rank_env
+    from megatron_branchnorm.launch import free_port, rank_env
 
     port, start = free_port(), time.time()
     args = [sys.executable, str(TRAIN), "--config", "tiny_cpu", *overrides,
@@ -258,8 +266,7 @@ def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) ->
 
 
 def _updates(save_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
+    return [r for r in read_metrics(save_dir, strict=True) if "loss" in r]
 
 
 def _variants(device: str) -> list[tuple[str, list[str]]]:
@@ -385,9 +392,6 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
         torch.cuda.set_device(0)
     from deepspeed.accelerator import get_accelerator
 
-    from megatron_branchnorm.training.ds_config import allow_fp16_on_cpu_for_tests
-
-    allow_fp16_on_cpu_for_tests()  # the test suite's emulation (training.ds_config.FP16_ON_CPU_ENV)
     precisions = ["bf16"] + (["fp16"] if get_accelerator().is_fp16_supported() else [])
     rows = environment(device)
     if "fp16" not in precisions:
@@ -409,9 +413,9 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run every check, print the table; exit 1 when a check failed."""
-    from megatron_branchnorm.cli import UsageError, run_main
+    from megatron_branchnorm.cli import run_main
 
-    return run_main(_main, argv, errors=(UsageError,))
+    return run_main(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -444,3 +448,7 @@ def _main(argv: list[str] | None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0 if all(r.ok is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

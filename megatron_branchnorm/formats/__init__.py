@@ -1,0 +1,15 @@
+"""The on-disk formats, one owner each, at the bottom of the house (docs/design.md §9).
+
+These modules import only ``megatron_branchnorm.errors``, each other, the standard library and
+torch (never DeepSpeed, nor any other floor of the package):
+
+- ``checkpoint``: a save_dir's checkpoints: tag names (``global_stepN``), ``latest``, the
+  file names of a tag (DeepSpeed's layer, engine and optimizer files; our RNG states,
+  ``train_config.json``, ``spm.model``, ``checksums.json``), checksums, resume's choice of tag,
+  reading a checkpoint's weights (layer files, bf16 fp32 master weights through a stand-in for
+  DeepSpeed's pickled ``fragment_address``);
+- ``records``: a run's records: the one tolerant reader of ``metrics.jsonl`` and
+  ``valid_bleu.jsonl`` (and the writer of the latter's rows), ``best.json``;
+- ``data_dir``: a preprocessed DATA_DIR's ``manifest.json``, read into a typed object, and the
+  rule for its ``spm_model``.
+"""

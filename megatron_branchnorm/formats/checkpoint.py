@@ -1,0 +1,411 @@
+"""The checkpoint layout on disk, its one owner: tag names, ``latest``, the files of a tag,
+checksums, ``train_config.json``, RNG states, and reading a checkpoint's weights.
+
+A save writes ``SAVE_DIR/global_stepN/`` through DeepSpeed (every rank its own files), then
+each rank's RNG state, then (rank 0, after a barrier) ``train_config.json``, the tag's copy of
+the SentencePiece model and ``checksums.json`` over every file of the tag, and only then
+``SAVE_DIR/latest`` (written to a temporary name and renamed). A checkpoint without its
+checksums is incomplete and never loaded; DeepSpeed loads with ``weights_only=False``, so
+every file is verified against the manifest before it is read.
+
+The files of a tag directory (DeepSpeed 0.19.8 names the first three):
+
+- ``layer_{idx:02d}-model_states.pt``: the weights of entry ``idx`` of the layer list
+  (docs/design.md §1; past 99 the index has more digits, so files are matched by parsed index,
+  never sorted as strings);
+- ``mp_rank_{stage:02d}_model_states.pt``: one stage's engine state;
+- ``[bf16_]zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt``: the optimizer state of one
+  (data-parallel rank, stage); with bf16, the fp32 master weights (:func:`read_master_weights`);
+- ``rng_state_rank{rank:04d}.pt``, ``train_config.json``, ``spm.model``, ``checksums.json``:
+  ours.
+
+This module imports no DeepSpeed: the one DeepSpeed object pickled in the files we read
+(``fragment_address``) is read into a stand-in (:class:`FragmentAddress`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import one_line, read_json_object, sha256_file
+
+MANIFEST = "checksums.json"
+LATEST = "latest"
+"""``SAVE_DIR/latest``: the tag to resume from, moved only once a checkpoint is complete."""
+TAG_PREFIX = "global_step"
+TRAIN_CONFIG = "train_config.json"
+"""Our client state in every tag: step, samples, data position, the index -> module-name map
+(``spec_names``), the stage plan (``parts``), the resolved config, vocabulary, precision."""
+SPM_IN_CHECKPOINT = "spm.model"
+"""The training SentencePiece model's copy in every checkpoint tag (checked against
+``train_config.json``'s ``vocab.spm_sha256``)."""
+
+_TAG = re.compile(r"^global_step(0|[1-9][0-9]*)$")
+LAYER_FILE = re.compile(r"^layer_([0-9]{2,})-model_states\.pt$")
+"""DeepSpeed's file of one entry of the layer list; group 1 is the index."""
+ENGINE_FILE = re.compile(r"^mp_rank_([0-9]{2,})_model_states\.pt$")
+"""DeepSpeed's engine state of one stage; group 1 is the stage."""
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]{2,})_optim_states\.pt$")
+"""DeepSpeed's optimizer state of one (data-parallel rank, stage): groups (bf16 prefix or
+None, data-parallel rank, stage). The BF16 optimizer's holds a flat fp32 partition of the
+stage's parameters per group and, per group, where each parameter lies in it."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A missing, partial or corrupt checkpoint: the message names the file."""
+
+
+# ---- names -----------------------------------------------------------------------------------
+
+
+def tag_for(step: int) -> str:
+    """DeepSpeed's tag directory name for update ``step``."""
+    step = operator.index(step)
+    if step < 0:
+        raise ValueError(f"a checkpoint step is >= 0, got {step}")
+    return f"{TAG_PREFIX}{step}"
+
+
+def tag_step(tag: str) -> int | None:
+    """N of ``global_stepN`` (ASCII digits, no sign, no leading zero); None for any other name."""
+    match = _TAG.fullmatch(tag) if isinstance(tag, str) else None
+    return int(match.group(1)) if match else None
+
+
+def is_tag(name: str) -> bool:
+    """Whether ``name`` is a checkpoint tag's name (``global_stepN``)."""
+    return tag_step(name) is not None
+
+
+def layer_file(index: int) -> str:
+    """The file name of layer-list entry ``index`` in a tag."""
+    return f"layer_{index:02d}-model_states.pt"
+
+
+def layer_index(name: str) -> int | None:
+    """The layer-list index of a layer file's name; None for any other file."""
+    match = LAYER_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def engine_file(stage: int) -> str:
+    """The file name of one stage's engine state in a tag."""
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def optim_file(dp_rank: int, stage: int, bf16: bool = False) -> str:
+    """The file name of one (data-parallel rank, stage)'s optimizer state in a tag."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+def rng_file(tag_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its RNG state in a checkpoint."""
+    return tag_dir / f"rng_state_rank{rank:04d}.pt"
+
+
+def layer_files(tag_dir: Path) -> dict[int, Path]:
+    """{layer-list index: layer file} of a tag directory."""
+    out = {}
+    for path in Path(tag_dir).iterdir():
+        idx = layer_index(path.name)
+        if idx is not None:
+            out[idx] = path
+    return out
+
+
+def write_manifest(tag_dir: Path, step: int) -> None:
+    """Checksums of every file in ``tag_dir`` (rank 0, after all ranks saved)."""
+    files = sorted(
+        p
+        for p in tag_dir.iterdir()
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")  # .tmp leftovers
+    )
+    manifest = {
+        "step": step,
+        "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+    }
+    tmp = tag_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, tag_dir / MANIFEST)
+
+
+def checkpoint_id(tag_dir: Path) -> str:
+    """What a complete checkpoint is, not where it lies: the hex SHA-256 of its
+    ``checksums.json``, which lists every file's checksum. A tag rewritten with other contents
+    (a rollback trained again) gets another id; the same bytes saved again get the same one.
+    OSError (no manifest: incomplete or removed) propagates."""
+    return hashlib.sha256((Path(tag_dir) / MANIFEST).read_bytes()).hexdigest()
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Point ``latest`` at ``tag`` atomically."""
+    tmp = save_dir / f".{LATEST}.tmp"
+    tmp.write_text(tag, encoding="utf-8")
+    os.replace(tmp, save_dir / LATEST)
+
+
+def read_latest(save_dir: Path) -> str | None:
+    """The tag ``latest`` names; None for a fresh save_dir; an error when a save_dir with
+    checkpoints has no readable ``latest`` (never a silent fresh start)."""
+    latest = save_dir / LATEST
+    tags = (
+        [p for p in save_dir.iterdir() if is_tag(p.name) and p.is_dir()]
+        if save_dir.is_dir()
+        else []
+    )
+    if not latest.exists():
+        complete = [p for p in tags if (p / MANIFEST).is_file()]
+        if complete:
+            raise CheckpointError(
+                f"{latest}: missing, but {len(complete)} complete checkpoint(s) exist "
+                f"(e.g. {complete[0].name}); write the tag to resume into {latest} or pick a "
+                "new train.save_dir"
+            )
+        return None
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{latest}: unreadable: {exc}") from None
+    if not tag or not (save_dir / tag).is_dir():
+        raise CheckpointError(f"{latest}: names {tag!r}, which is not a checkpoint directory")
+    return tag
+
+
+def checkpoint_tags(save_dir: Path) -> tuple[list[str], list[str]]:
+    """(complete, incomplete) tags in ``save_dir``, each sorted by step: complete ones have
+    their manifest (written only after every rank finished saving)."""
+    found = []
+    if save_dir.is_dir():
+        for p in save_dir.iterdir():
+            step = tag_step(p.name)
+            if p.is_dir() and step is not None:
+                found.append((step, p.name, (p / MANIFEST).is_file()))
+    found.sort()
+    return [t for _, t, ok in found if ok], [t for _, t, ok in found if not ok]
+
+
+def resume_tag(save_dir: Path) -> tuple[str | None, list[str]]:
+    """The checkpoint a run in ``save_dir`` resumes from, with warnings to print.
+
+    ``latest`` names it; a save killed after its manifest but before ``latest`` moved leaves
+    a newer complete checkpoint, which is taken instead (with a warning). A ``latest`` that
+    is unreadable or names no directory is an error (:func:`read_latest`), never a fresh
+    start; incomplete checkpoints (killed saves) are never loaded.
+    """
+    tag = read_latest(save_dir)
+    complete, incomplete = checkpoint_tags(save_dir)
+    notes = [f"ignoring incomplete checkpoint {save_dir / t} (no {MANIFEST})" for t in incomplete]
+    if tag is None:
+        return None, notes
+    step = tag_step(tag)
+    newer = [t for t in complete if step is not None and tag_step(t) > step]
+    if newer:
+        notes.append(
+            f"{save_dir / LATEST} names {tag} but {newer[-1]} is complete (a save stopped "
+            f"before moving latest): resuming from {newer[-1]}"
+        )
+        tag = newer[-1]
+    return tag, notes
+
+
+def verify_checkpoint(tag_dir: Path) -> dict:
+    """Check every file of a checkpoint against its manifest; returns the manifest."""
+    manifest_path = tag_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing: the checkpoint is incomplete")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path}: corrupt manifest: {exc}") from None
+    for name, info in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size} bytes, {info['bytes']} expected (truncated?)"
+            )
+        if sha256_file(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupt)")
+    return manifest
+
+
+def rng_state() -> dict:
+    """Python, NumPy and torch RNG states, in a form ``torch.load(weights_only=True)`` reads.
+
+    On a GPU, only this rank's bound device's generator is saved (a list of one): a rank
+    drives one GPU, and a list of every visible GPU's state would not restore on a node
+    with fewer GPUs."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.as_tensor(np_state[1]), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, seq, gauss = state["python"]
+    random.setstate((version, tuple(seq), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    cuda = state["cuda"]
+    if torch.cuda.is_available() and cuda:
+        # one state (this format), or every GPU's (older checkpoints): this rank's own
+        own = cuda[0] if len(cuda) == 1 else cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+        torch.cuda.set_rng_state(own)
+
+
+# ---- train_config.json -----------------------------------------------------------------------
+
+
+def write_train_config(tag_dir: Path, info: dict) -> None:
+    """The tag's ``train_config.json`` (rank 0, before the checksums are written)."""
+    path = Path(tag_dir) / TRAIN_CONFIG
+    tmp = path.parent / f".{TRAIN_CONFIG}.tmp"
+    tmp.write_text(json.dumps(info, indent=1, sort_keys=True, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_train_config(tag_dir: Path) -> dict:
+    """A tag's ``train_config.json`` as a JSON object; CheckpointError naming the file when it
+    is missing, unreadable, not JSON or not an object."""
+    return read_json_object(Path(tag_dir) / TRAIN_CONFIG, CheckpointError)
+
+
+def saved_spec_names(tag_dir: Path, info: dict) -> dict[int, str]:
+    """The saved ``spec_names`` (layer-list index -> flat-model module name) of a tag's
+    ``train_config.json``; CheckpointError naming the file and key when malformed."""
+    try:
+        return {int(k): str(v) for k, v in info["spec_names"].items()}
+    except (KeyError, AttributeError, TypeError, ValueError):
+        where = Path(tag_dir) / TRAIN_CONFIG
+        raise CheckpointError(f"{where}: key spec_names is missing or malformed") from None
+
+
+# ---- reading a checkpoint's weights ----------------------------------------------------------
+
+FlatKey = Callable[[str, str], str]
+"""(module name of a layer-list entry, key in its layer file) -> the flat model's key:
+``partition.pipe_to_flat_key``."""
+
+
+def read_checkpoint(
+    tag_dir: Path, flat_key: FlatKey, verify: bool = True, indices: set[int] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(``train_config.json``, flat state dict in fp32) of one checkpoint directory, verified
+    against its checksums unless the caller already did (``verify=False``); with ``indices``,
+    only the layer files of those layer-list indices are read. Layer files are read with
+    ``torch.load(weights_only=True)``."""
+    tag_dir = Path(tag_dir)
+    if verify:
+        verify_checkpoint(tag_dir)
+    info = read_train_config(tag_dir)
+    names = saved_spec_names(tag_dir, info)
+    state: dict[str, torch.Tensor] = {}
+    for idx, path in sorted(layer_files(tag_dir).items()):
+        if idx not in names:
+            raise CheckpointError(f"{path}: layer index {idx} is not in the saved layout")
+        if indices is not None and idx not in indices:
+            continue
+        for key, value in read_layer_file(path).items():
+            state[flat_key(names[idx], key)] = value.float()
+    return info, state
+
+
+def read_layer_file(path: Path) -> dict[str, torch.Tensor]:
+    """One layer file's state dict (``weights_only=True``); CheckpointError naming it."""
+    try:
+        layer = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+        raise CheckpointError(f"{path}: cannot read layer file: {one_line(exc)}") from None
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{path}: cannot read layer file: not a state dict")
+    return layer
+
+
+@dataclass
+class FragmentAddress:
+    """Stand-in for DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (a
+    dataclass of two ints), the one non-tensor object in a BF16 optimizer file: with it,
+    those files are read with ``weights_only=True`` and without importing DeepSpeed."""
+
+    numel: int
+    start: int
+
+
+FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
+"""DeepSpeed's qualified name of :class:`FragmentAddress`, as its pickles name it."""
+
+
+def load_optimizer_file(path: Path) -> dict:
+    """A DeepSpeed optimizer-state file read with ``weights_only=True``, its
+    ``fragment_address`` objects as :class:`FragmentAddress` (exceptions propagate)."""
+    with torch.serialization.safe_globals([(FragmentAddress, FRAGMENT_ADDRESS)]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def bf16_optim_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
+    """{stage: {data-parallel rank: file}} of a tag's BF16 optimizer files ({}: none)."""
+    files: dict[int, dict[int, Path]] = {}
+    for path in Path(tag_dir).iterdir():
+        match = OPTIM_FILE.fullmatch(path.name)
+        if match and match.group(1):
+            files.setdefault(int(match.group(3)), {})[int(match.group(2))] = path
+    return files
+
+
+def read_master_weights(tag_dir: Path, param_key: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a bf16 checkpoint by ``param_key(engine parameter name)``
+    (1-D: the caller shapes them like the layer files' tensors; ``param_key`` raises KeyError
+    for a name it cannot place); {} when the checkpoint has none (fp32, fp16).
+
+    Each stage's parameters are flattened and split over its data-parallel ranks in rank
+    order; ``param_slice_mappings`` says where each parameter's piece lies in a rank's
+    partition, so a parameter is the concatenation of its pieces over the ranks. The tied
+    embedding is held by the first and the last stage with the same values: the first
+    stage's copy is taken.
+    """
+    files = bf16_optim_files(tag_dir)
+    state: dict[str, torch.Tensor] = {}
+    for stage in sorted(files):
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for dp in sorted(files[stage]):
+            path = files[stage][dp]
+            try:
+                opt = load_optimizer_file(path)["optimizer_state_dict"]
+                groups = zip(
+                    opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"], strict=True
+                )
+                for flat, mapping in groups:
+                    for name, addr in mapping.items():
+                        pieces.setdefault(name, []).append(flat.narrow(0, addr.start, addr.numel))
+            except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+                raise CheckpointError(
+                    f"{path}: cannot read bf16 master weights: {one_line(exc)}"
+                ) from None
+        first = files[stage][min(files[stage])]
+        for name, parts in pieces.items():
+            try:
+                key = param_key(name)
+            except KeyError:
+                idx = name.split(".", 1)[0]
+                raise CheckpointError(f"{first}: layer {idx} is not in the layout") from None
+            state.setdefault(key, torch.cat(parts))
+    return state

@@ -1,0 +1,244 @@
+"""The run's records in its save_dir, their one owner: file names, the one tolerant reader of
+the JSON-lines files, the validation BLEU rows, and ``best.json``.
+
+- ``metrics.jsonl``: one JSON object per line with a ``step``, written by rank 0 of the
+  trainer only (``training/metrics.py``, the one writer); read by early stopping, retention,
+  plotting, the rehearsal and the research harness through :func:`read_metrics`;
+- ``valid_bleu.jsonl``: the same form, one row per scored checkpoint, written by the companion
+  process only (:func:`append_bleu_row`, ``inference/valid_bleu.py``). A score is keyed by
+  what was scored (:func:`bleu_row_key`): the checkpoint's identity (``checkpoint_id``,
+  :func:`megatron_branchnorm.formats.checkpoint.checkpoint_id`) and ``scoring`` (the split,
+  the sentences and the options). Ranking reads them through :func:`validation_bleus`;
+- ``best.json``: ``{"metric": ..., "checkpoints": [{"tag": ..., <metric>: ...,
+  "checkpoint_id": ...}, ...]}``, the checkpoints retention keeps for their score, best first
+  (:func:`write_best`, :func:`read_best`, :func:`read_best_ids`).
+
+No torch import: tools that only read a run stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import read_json_object, write_json_atomic
+
+METRICS_FILE = "metrics.jsonl"
+BLEU_FILE = "valid_bleu.jsonl"
+"""Validation BLEU of each checkpoint, written by the companion process
+(megatron_branchnorm/inference/valid_bleu.py), never by the trainer: each file has one writer."""
+BEST_FILE = "best.json"
+
+
+class MetricsFileError(UserError, ValueError):
+    """A record file that a strict reader cannot use: one line naming the file (and line)."""
+
+
+def metrics_path(save_dir: str | Path, name: str = METRICS_FILE) -> Path:
+    return Path(save_dir) / name
+
+
+def read_metrics(
+    save_dir: str | Path, strict: bool = False, name: str = METRICS_FILE
+) -> list[dict[str, Any]]:
+    """The rows of ``save_dir/metrics.jsonl`` (or of ``name``, e.g. :data:`BLEU_FILE`) in
+    file order (a resumed run's rows included).
+
+    Tolerant (the default): a missing file is no rows, and a line that is not a JSON object
+    with a ``step`` (the last line of a killed run, cut short) is skipped. ``strict``: those
+    are :class:`MetricsFileError`, as is a file without rows."""
+    path = metrics_path(save_dir, name)
+    try:
+        text = path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
+    except FileNotFoundError:
+        if strict:
+            raise MetricsFileError(f"{path}: missing (not a training run directory?)") from None
+        return []
+    except UnicodeDecodeError as exc:
+        raise MetricsFileError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except OSError:
+        if strict:
+            raise
+        return []
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if strict:
+                raise MetricsFileError(f"{path}:{lineno}: not a JSON object") from None
+            continue
+        if not isinstance(row, dict) or "step" not in row:
+            if strict:
+                raise MetricsFileError(f"{path}:{lineno}: expected an object with a 'step' key")
+            continue
+        rows.append(row)
+    if strict and not rows:
+        raise MetricsFileError(f"{path}: no rows")
+    return rows
+
+
+def scores_by_step(save_dir: str | Path, key: str, name: str = METRICS_FILE) -> dict[int, float]:
+    """``key`` (e.g. ``valid_loss``) by step from ``save_dir/name``: the last row of a step
+    wins; non-finite values are ignored."""
+    out: dict[int, float] = {}
+    for row in read_metrics(save_dir, name=name):
+        value = row.get(key)
+        if (
+            isinstance(value, (int, float))
+            and isinstance(row["step"], int)
+            and math.isfinite(value)
+        ):
+            out[row["step"]] = float(value)
+    return out
+
+
+def valid_losses(save_dir: str | Path) -> dict[int, float]:
+    """Validation loss by step (the trainer's ``valid_loss`` rows)."""
+    return scores_by_step(save_dir, "valid_loss")
+
+
+def valid_bleus(save_dir: str | Path) -> dict[int, float]:
+    """BLEU by step of every row in :data:`BLEU_FILE`, as written (the last row of a step
+    wins, whatever split, options or checkpoint it scored). To rank checkpoints, use
+    :func:`validation_bleus`."""
+    return scores_by_step(save_dir, "valid_bleu", BLEU_FILE)
+
+
+# ---- the key of a validation BLEU row ---------------------------------------------------------
+
+VALIDATION_SPLIT = "dev"
+"""The split whose BLEU ranks checkpoints (``train.best_metric=valid_bleu``); rows of another
+split (``watch_bleu.py --split test``) are kept in the file but never rank."""
+
+
+def bleu_scoring_key(row: dict[str, Any]) -> str | None:
+    """How a row was scored, as one comparable string: its ``scoring`` object (split, number
+    of sentences, fingerprint of the sources and references, directions, beam search and BLEU
+    options) in canonical JSON; None for a row without one (written before rows were keyed)."""
+    scoring = row.get("scoring")
+    if not isinstance(scoring, dict) or not isinstance(scoring.get("split"), str):
+        return None
+    return json.dumps(scoring, sort_keys=True)
+
+
+def bleu_row_key(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(checkpoint id, :func:`bleu_scoring_key`): what a row scored. None for an unkeyed row
+    (no ``checkpoint_id`` or no ``scoring``: an older companion's), which matches nothing:
+    such a checkpoint is scored again and the old row never ranks it."""
+    checkpoint = row.get("checkpoint_id")
+    scoring = bleu_scoring_key(row)
+    if not isinstance(checkpoint, str) or not checkpoint or scoring is None:
+        return None
+    return checkpoint, scoring
+
+
+def bleu_scored_keys(save_dir: str | Path) -> set[tuple[str, str]]:
+    """The keys (:func:`bleu_row_key`) of every keyed row of ``save_dir/valid_bleu.jsonl``:
+    the companion skips a checkpoint only when its key is among them."""
+    keys = (bleu_row_key(row) for row in read_metrics(save_dir, name=BLEU_FILE))
+    return {k for k in keys if k is not None}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validation_bleus(save_dir: str | Path, checkpoint_ids: Mapping[int, str]) -> dict[int, float]:
+    """Validation BLEU by step, to rank the checkpoints on disk (retention's
+    ``best_metric=valid_bleu``). ``checkpoint_ids``: {step: checkpoint id} of the complete
+    checkpoints now on disk.
+
+    A row counts only when it is keyed (:func:`bleu_row_key`), scored the validation split
+    (:data:`VALIDATION_SPLIT`) and scored the checkpoint that is at its step now (the same
+    id: the score of a removed or rewritten checkpoint, e.g. the branch a rollback replaced,
+    is ignored). Scores are compared only under one scoring (sentences and options): of the
+    scorings found, the one that covers the most of these checkpoints (a tie: the one written
+    last), so a one-off run with other options never outranks the companion's own rows."""
+    groups: dict[str, dict[int, float]] = {}
+    written: dict[str, int] = {}
+    for i, row in enumerate(read_metrics(save_dir, name=BLEU_FILE)):
+        key = bleu_row_key(row)
+        step, value = row["step"], row.get("valid_bleu")
+        if key is None or not isinstance(step, int) or not _finite(value):
+            continue
+        checkpoint, scoring = key
+        if row["scoring"]["split"] != VALIDATION_SPLIT or checkpoint_ids.get(step) != checkpoint:
+            continue
+        groups.setdefault(scoring, {})[step] = float(value)
+        written[scoring] = i
+    if not groups:
+        return {}
+    return groups[max(groups, key=lambda k: (len(groups[k]), written[k]))]
+
+
+def append_bleu_row(save_dir: str | Path, row: dict[str, Any]) -> None:
+    """Append one scored checkpoint's row to ``save_dir/valid_bleu.jsonl`` (the companion,
+    its one writer); a row is written in one call, so a kill leaves at most a cut last line,
+    which :func:`read_metrics` skips (and the next row starts on a line of its own)."""
+    if not isinstance(row.get("step"), int):
+        raise ValueError(f"a {BLEU_FILE} row needs an int step, got {row.get('step')!r}")
+    with open(metrics_path(save_dir, BLEU_FILE), "ab+") as fh:
+        cut = fh.seek(0, 2) > 0 and fh.seek(-1, 2) >= 0 and fh.read(1) != b"\n"
+        fh.write(("\n" if cut else "").encode() + (json.dumps(row) + "\n").encode("utf-8"))
+
+
+# ---- best.json -------------------------------------------------------------------------------
+
+
+def write_best(
+    save_dir: str | Path,
+    metric: str,
+    best: list[tuple[str, float]],
+    checkpoint_ids: Mapping[str, str] | None = None,
+) -> None:
+    """``save_dir/best.json``: the checkpoints kept for their ``metric``, best first, each
+    with its ``checkpoint_id`` when ``checkpoint_ids`` ({tag: id}) names it, so a reader can
+    tell a tag rewritten since (written to a temporary name and renamed)."""
+    ids = checkpoint_ids or {}
+    entries = []
+    for tag, value in best:
+        entry: dict[str, Any] = {"tag": tag, metric: value}
+        if tag in ids:
+            entry["checkpoint_id"] = ids[tag]
+        entries.append(entry)
+    write_json_atomic(
+        Path(save_dir) / BEST_FILE, {"metric": metric, "checkpoints": entries}, indent=1
+    )
+
+
+def _best_entries(save_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(save_dir) / BEST_FILE
+    data = read_json_object(
+        path,
+        MetricsFileError,
+        missing="missing (the run did not track its best checkpoints: train.keep_best)",
+    )
+    entries = data.get("checkpoints")
+    if not isinstance(entries, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("tag"), str) for c in entries
+    ):
+        raise MetricsFileError(f"{path}: expected {{'checkpoints': [{{'tag': ...}}, ...]}}")
+    return entries
+
+
+def read_best(save_dir: str | Path) -> list[str]:
+    """The tags ``save_dir/best.json`` names, best first; MetricsFileError naming the file
+    when it is missing or not of the form :func:`write_best` writes."""
+    return [c["tag"] for c in _best_entries(save_dir)]
+
+
+def read_best_ids(save_dir: str | Path) -> dict[str, str]:
+    """{tag: checkpoint id} of the entries of ``save_dir/best.json`` that record one (an
+    older best.json records none); errors as :func:`read_best`."""
+    return {
+        c["tag"]: c["checkpoint_id"]
+        for c in _best_entries(save_dir)
+        if isinstance(c.get("checkpoint_id"), str)
+    }
