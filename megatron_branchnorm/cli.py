@@ -9,16 +9,17 @@
   nothing half-written that looks complete.
 - :func:`quote` caps what an error message repeats of a user's value.
 - :func:`refuse_overlap` refuses an output path that is, contains or lies inside an input.
-- Output directories carry a marker file (:data:`MARKER`) naming the tool that wrote them;
-  ``--overwrite`` removes a directory only when :func:`check_overwritable` finds that marker
-  (:func:`prepare_output`), never a directory a user made or another tool wrote.
+- Output directories carry a marker file (:data:`MARKER`) naming the tool that wrote them
+  and their kind; ``--overwrite`` removes a directory only when :func:`check_overwritable`
+  finds it of the same kind holding only what that kind owns (:func:`prepare_output`), never a
+  directory a user made or another tool wrote. ``formats/dirs.py`` owns the kinds, their
+  layouts and how each is recognised.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import json
 import math
 import os
 import shutil
@@ -29,14 +30,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.files import one_line, quote  # noqa: F401 - commands use cli.quote
 
 EXIT_BAD_INPUT = 2
 """Exit code of every entry point for bad input (a one-line error)."""
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT), as shells report it."""
-MARKER = ".megatron_branchnorm-output.json"
-"""Marker file in every directory an entry point creates: {"tool": ..., "kind": ...}."""
+MARKER = dirs.MARKER
+"""Marker file in every directory an entry point creates: {"tool": ..., "kind": ...}
+(formats/dirs.py owns it, with the kinds of directory and what each owns)."""
 MAX_INT = 2**31 - 1
 """Largest integer a config key or a count flag takes."""
 
@@ -96,54 +99,24 @@ def refuse_overlap(
             raise OutputError(f"{output_flag} {output}: contains {flag} {path}")
 
 
-def read_marker(directory: str | Path) -> dict | None:
-    """The marker of a directory an entry point wrote, or None."""
-    path = Path(directory) / MARKER
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+read_marker = dirs.read_marker
+json_has_format = dirs.json_has_format
+write_marker = dirs.write_marker
 
 
-def json_has_format(path: str | Path, fmt: str, max_bytes: int) -> bool:
-    """Whether ``path`` is a JSON object of at most ``max_bytes`` whose ``format`` is ``fmt``:
-    how an output written before markers existed is recognised as ours."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > max_bytes:
-            return False
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == fmt
-
-
-def write_marker(directory: str | Path, tool: str, kind: str) -> None:
-    """Mark ``directory`` as written by ``tool`` (its contents are of ``kind``)."""
-    path = Path(directory) / MARKER
-    path.write_text(json.dumps({"tool": tool, "kind": kind}) + "\n", encoding="utf-8")
-
-
-def check_overwritable(output: str | Path, kind: str, output_flag: str) -> bool:
+def check_overwritable(
+    output: str | Path,
+    kind: str,
+    output_flag: str,
+    legacy: Callable[[Path], bool] | None = None,
+) -> bool:
     """Whether ``output`` exists and must be replaced; raises :class:`OutputError` when it
-    exists, is not empty and was not written by one of our tools as ``kind``."""
-    out = Path(output)
-    if not out.exists() and not out.is_symlink():
-        return False
-    if out.is_symlink() or not out.is_dir():
-        raise OutputError(f"{output_flag} {output}: exists and is not a directory")
-    if not any(out.iterdir()):
-        return True
-    marker = read_marker(out)
-    if marker is None or marker.get("kind") != kind:
-        what = f"holds {marker.get('kind')!r}" if marker else f"has no {MARKER}"
-        raise OutputError(
-            f"{output_flag} {output}: exists and was not written as {kind} by this project "
-            f"({what}); --overwrite only replaces such a directory: remove it yourself or "
-            "choose another path"
-        )
-    return True
+    exists, is not empty and is not a directory of ``kind`` written by us holding only what
+    ``kind`` owns (:func:`megatron_branchnorm.formats.dirs.check_replaceable`)."""
+    try:
+        return dirs.check_replaceable(output, kind, output_flag, legacy)
+    except dirs.DirectoryError as exc:
+        raise OutputError(str(exc)) from None
 
 
 def prepare_output(
@@ -156,28 +129,20 @@ def prepare_output(
 ) -> bool:
     """Check an output directory before anything is written: not overlapping an input, not
     under a regular file, and either absent/empty or (with ``overwrite``) written by us as
-    ``kind`` (its marker; ``legacy`` recognises our older outputs that predate markers).
+    ``kind`` (its marker, or recognised by formats/dirs.py or ``legacy`` as an older output of
+    ours) and holding only ``kind``'s entries (anything else is named, never deleted).
     Returns whether an existing directory will be replaced; the caller replaces it only after
     its new contents are complete (:func:`publish_dir`)."""
     inputs = list(inputs)
     refuse_overlap(output, inputs, output_flag)
     check_parent_dir(output, output_flag)
     out = Path(output)
-    if (
-        legacy is not None
-        and overwrite
-        and out.is_dir()
-        and not out.is_symlink()
-        and read_marker(out) is None
-        and legacy(out)
-    ):
-        return True
     if out.exists() and out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(
             f"{output_flag} {output}: exists and is not empty (pass --overwrite to replace an "
             f"earlier {kind})"
         )
-    return check_overwritable(out, kind, output_flag)
+    return check_overwritable(out, kind, output_flag, legacy)
 
 
 def claim_output_dir(
@@ -196,12 +161,16 @@ def claim_output_dir(
     cleared."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        marker = read_marker(out)
         legacy = (legacy,) if isinstance(legacy, str) else legacy
-        ours = marker.get("kind") == kind if marker else any((out / f).exists() for f in legacy)
+        found = dirs.recognise(out) if out.is_dir() else None
+        if found is None:
+            ours = any((out / f).exists() for f in legacy)
+        else:
+            ours = found[0] == kind
         if not out.is_dir() or not ours:
+            what = f"it is {dirs.describe(found[0])} ({found[1]})" if found else f"no {MARKER}"
             raise OutputError(
-                f"{flag} {out}: exists and was not written by {tool} (no {MARKER}); it "
+                f"{flag} {out}: exists and was not written by {tool} ({what}); it "
                 f"replaces {', '.join(parts)} inside it: choose a new or empty {flag}"
             )
     out.mkdir(parents=True, exist_ok=True)

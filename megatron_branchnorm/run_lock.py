@@ -17,7 +17,9 @@ crashed run must not block the save_dir forever; a lock is taken over, with a wa
   as long as the server's clock and this node's are within minutes).
 
 Otherwise the new run refuses to start, naming the holder. A clean exit (any exit code the
-trainer returns) removes the lock; a ``kill -9`` leaves it, to be taken over as above.
+trainer returns) removes the lock; a ``kill -9`` leaves it, to be taken over as above. The
+holder marks the save_dir as a run (``formats.dirs.mark_run_dir``); every rank checked before
+that the save_dir is new, empty or a run of ours (``formats.dirs.check_run_dir``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import uuid
 from pathlib import Path
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import dirs
 
-LOCK_NAME = "run.lock"
+LOCK_NAME = dirs.RUN_LOCK
 HEARTBEAT_S = 60.0
 """How often the holder touches the lock."""
 STALE_S = 15 * 60.0
@@ -115,6 +118,13 @@ class RunLock:
         self._thread: threading.Thread | None = None
         self.warnings: list[str] = []
 
+    @staticmethod
+    def check_dir(save_dir: str | Path) -> None:
+        """Every rank, before anything is written there: ``save_dir`` is new, empty or a run
+        of ours (:func:`megatron_branchnorm.formats.dirs.check_run_dir`); a
+        :class:`~megatron_branchnorm.formats.dirs.DirectoryError` otherwise."""
+        dirs.check_run_dir(save_dir)
+
     def _create(self) -> bool:
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -145,6 +155,12 @@ class RunLock:
         for _ in range(3):
             if self._create():
                 if self.owned():
+                    try:  # the save_dir's identity: a run (formats/dirs.py)
+                        dirs.mark_run_dir(self.path.parent)
+                    except OSError:
+                        with contextlib.suppress(FileNotFoundError):
+                            self.path.unlink()
+                        raise
                     self._start_heartbeat()
                     return
                 continue  # removed or replaced under us by a concurrent take-over: look again

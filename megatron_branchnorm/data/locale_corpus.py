@@ -31,11 +31,12 @@ from pathlib import Path
 from megatron_branchnorm.data.corpora import LANG_RE, pair_name
 from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
 from megatron_branchnorm.data.text import clean, is_letterish
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import DataError
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale"
 DEFAULT_LANGS = ("de", "es", "fr", "it", "ja", "ru", "zh_CN")
-CORPUS_KIND = "corpus"
+CORPUS_KIND = dirs.CORPUS.name
 """Marker kind of a corpus directory (cli.MARKER): ``overwrite`` replaces only such a one."""
 CORPUS_TOOL = "build_locale_corpus"
 _MO_MAGIC = 0x950412DE

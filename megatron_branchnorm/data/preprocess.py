@@ -27,7 +27,8 @@ Everything is written into a hidden temporary directory beside DATA_DIR that is 
 DATA_DIR at the very end, so an interrupted run never leaves a directory that looks complete.
 DATA_DIR carries the marker :data:`megatron_branchnorm.cli.MARKER` (kind ``data``):
 ``overwrite`` replaces only a directory with that marker (or an older DATA_DIR with our
-manifest), never the input corpus or anything else.
+manifest) that holds nothing but a DATA_DIR's own entries (formats/dirs.py), never the input
+corpus, a run trained into it, or anything else.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from megatron_branchnorm.data.corpora import (
 from megatron_branchnorm.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from megatron_branchnorm.data.phase_stats import PhaseStats
 from megatron_branchnorm.data.text import clean_lines, decode_block, reference_block, utf8_error
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
 from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
@@ -89,8 +91,9 @@ SAMPLE_BLOCK_LINES = 4096
 SPILL_DIR = "spill"
 PHASES = ("read_clean", "spm_sample", "spm_train", "encode_write", "finish")
 """The phases of a run, in order, as ``--stats`` names them."""
-DATA_KIND = "data"
-"""Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory."""
+DATA_KIND = dirs.DATA.name
+"""Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory,
+holding only what formats/dirs.py lists as a DATA_DIR's entries."""
 DATA_TOOL = "preprocess_data"
 
 

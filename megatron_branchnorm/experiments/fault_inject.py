@@ -11,6 +11,7 @@ The faults, comma-separated items of :data:`FAULT_ENV`:
 ``inf_grad@T[xN][:stageS]``: one gradient element on stage S (default the last) is +inf;
 ``save_exit@POINT[:rankR][:stepN]``: rank R (default 0) calls ``os._exit(FAULT_EXIT_CODE)``
 at POINT of the save at step N (default the first save); POINT is one of :data:`SAVE_POINTS`;
+``save_interrupt@POINT[:rankR][:stepN]``: the same place raises KeyboardInterrupt (Ctrl-C);
 ``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run);
 ``enospc@PHASE[:rankR]``: rank R (default 0) gets ENOSPC ("no space left on device") in PHASE:
 ``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (rank 0's
@@ -68,7 +69,7 @@ def parse_faults(spec: str) -> dict:
                 for f in fields[1:]:
                     entry["stage"] = int(f.removeprefix("stage"))
                 faults[kind] = entry
-            elif kind == "save_exit" and fields[0] in SAVE_POINTS:
+            elif kind in ("save_exit", "save_interrupt") and fields[0] in SAVE_POINTS:
                 entry = {"point": fields[0], "rank": 0, "step": None}
                 for f in fields[1:]:
                     key = "rank" if f.startswith("rank") else "step"
@@ -137,12 +138,17 @@ class Injector:
         return True
 
     def _exit_at(self, point: str) -> None:
-        """``save_exit``: end the process at ``point`` of the save in progress."""
-        f, saving = self.faults.get("save_exit"), self.saving
-        if f is None or saving is None or f["point"] != point or f["rank"] != saving.rank:
-            return
-        step = saving.state.step
-        if f["step"] is None or f["step"] == step:
+        """``save_exit``: end the process at ``point`` of the save in progress;
+        ``save_interrupt``: raise KeyboardInterrupt there (Ctrl-C)."""
+        for kind in ("save_exit", "save_interrupt"):
+            f, saving = self.faults.get(kind), self.saving
+            if f is None or saving is None or f["point"] != point or f["rank"] != saving.rank:
+                continue
+            step = saving.state.step
+            if f["step"] is not None and f["step"] != step:
+                continue
+            if kind == "save_interrupt":
+                raise KeyboardInterrupt
             print(f"fault injection: exiting at {point} of the save at step {step}", flush=True)
             os._exit(FAULT_EXIT_CODE)
 
@@ -177,7 +183,7 @@ class Injector:
         self._patch(trainer.Trainer, "_update", self._wrap_update)
         if "inf_grad" in self.faults:
             self._patch(grad_norm, "pipeline_grad_norm", self._wrap_grad_norm)
-        if "save_exit" in self.faults or "enospc" in self.faults:
+        if {"save_exit", "save_interrupt", "enospc"} & self.faults.keys():
             self._patch(checkpointer.Checkpointer, "save", self._wrap_save)
             self._patch(torch, "save", self._wrap_torch_save)
             self._patch(checkpointer.ckpt, "write_manifest", self._wrap_write_manifest)

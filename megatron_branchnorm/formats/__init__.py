@@ -12,4 +12,7 @@ torch (never DeepSpeed, nor any other floor of the package):
   ``valid_bleu.jsonl`` (and the writer of the latter's rows), ``best.json``;
 - ``data_dir``: a preprocessed DATA_DIR's ``manifest.json``, read into a typed object, and the
   rule for its ``spm_model``.
+- ``dirs``: the kinds of directory the tools write (a run, a DATA_DIR, an export, ...): the
+  marker, how each kind is recognised, the entries each owns, and the checks before a tool
+  replaces one (``check_replaceable``) or the trainer starts in one (``check_run_dir``).
 """

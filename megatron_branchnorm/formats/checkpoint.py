@@ -363,10 +363,16 @@ def load_optimizer_file(path: Path) -> dict:
 
 def bf16_optim_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
     """{stage: {data-parallel rank: file}} of a tag's BF16 optimizer files ({}: none)."""
+    return optim_files(tag_dir, bf16_only=True)
+
+
+def optim_files(tag_dir: Path, bf16_only: bool = False) -> dict[int, dict[int, Path]]:
+    """{stage: {data-parallel rank: file}} of a tag's partitioned optimizer files (ZeRO or
+    BF16; {}: none, the optimizer state is in the engine files)."""
     files: dict[int, dict[int, Path]] = {}
     for path in Path(tag_dir).iterdir():
         match = OPTIM_FILE.fullmatch(path.name)
-        if match and match.group(1):
+        if match and (match.group(1) or not bf16_only):
             files.setdefault(int(match.group(3)), {})[int(match.group(2))] = path
     return files
 

@@ -43,6 +43,7 @@ from megatron_branchnorm.cli import (
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.checkpoint import sha256_file
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
@@ -51,11 +52,11 @@ from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
 SPM = "spm.model"
-META = "export.json"
-EXPORT_FORMAT = "megatron_branchnorm-export"
+META = dirs.EXPORT_META
+EXPORT_FORMAT = dirs.EXPORT_FORMAT
 EXPORT_VERSION = 1
-EXPORT_KIND = "export"
-"""Marker kind of an export directory (cli.MARKER)."""
+EXPORT_KIND = dirs.EXPORT.name
+"""Marker kind of an export directory (cli.MARKER; formats/dirs.py owns its layout)."""
 EXPORT_TOOL = "convert_checkpoint"
 
 

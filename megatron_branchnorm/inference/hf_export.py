@@ -45,6 +45,7 @@ from megatron_branchnorm.cli import (
     write_marker,
 )
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.inference.export import (
     EXPORT_TOOL,
     SPM,
@@ -58,8 +59,9 @@ from megatron_branchnorm.model.residual import Scheme
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 PARITY_TOLERANCE = 1e-4  # docs/design.md §5: HF export logits vs ours
-HF_EXPORT_KIND = "hf_export"
-"""Marker kind of a Hugging Face export directory (cli.MARKER)."""
+HF_EXPORT_KIND = dirs.HF_EXPORT.name
+"""Marker kind of a Hugging Face export directory (cli.MARKER; formats/dirs.py owns its
+layout)."""
 
 
 class HFExportError(UserError, ValueError):

@@ -67,6 +67,7 @@ class Checkpointer:
         self.cfg = cfg
         self.save_dir = Path(cfg.train.save_dir)
         self.rank, self.world = rank, world
+        self.dp = world // cfg.pipeline.stages
         self.engine, self.module = engine, engine.module
         self.optimizer, self.scheduler = optimizer, scheduler
         self.stream = stream
@@ -100,7 +101,9 @@ class Checkpointer:
         A rank whose part of the save fails (a full disk, a quota) does not leave the others
         waiting in a barrier: the failure is agreed on (:func:`agree_or_raise`) and every rank
         raises the same one-line TrainError. The tag then has no manifest, so it is never
-        loaded, and ``latest`` still names the last complete checkpoint.
+        loaded, and ``latest`` still names the last complete checkpoint. Ctrl-C during the save
+        removes the unfinished tag (rank 0) before it ends the run, so "nothing half-written
+        was kept" (cli.run_main) is true.
         """
         # Rank 0 reads data (first stage): its stream position and sample count are the run's;
         # a middle stage builds no batches, and every stage's file must hold the same state.
@@ -127,6 +130,18 @@ class Checkpointer:
         if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
             shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
         collectives.barrier()
+        try:
+            self._save(tag_dir, client)
+        except KeyboardInterrupt:
+            if self.rank == 0 and not (tag_dir / ckpt.MANIFEST).is_file():
+                shutil.rmtree(tag_dir, ignore_errors=True)
+            raise
+        self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
+        self._retain()
+
+    def _save(self, tag_dir: Path, client: dict) -> None:
+        """The files of one save, then (rank 0) its manifest and ``latest``."""
+        step, tag = client["step"], tag_dir.name
         self._guard_checkpoint_engine()
         self.save_error = None
         self.engine.save_checkpoint(
@@ -150,8 +165,6 @@ class Checkpointer:
             except OSError as exc:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         agree_or_raise(self.world, error)
-        self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
-        self._retain()
 
     def _retain(self) -> None:
         """Checkpoint retention after a complete save (rank 0; every rank has finished
@@ -233,6 +246,16 @@ class Checkpointer:
                 f"{precision_of(self.ds_config)}, the checkpoint {tag_dir} in {old_precision}: "
                 "DeepSpeed's optimizer state differs between them; use a DeepSpeed JSON with the "
                 "checkpoint's precision and ZeRO stage"
+            )
+        partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
+        if partitions and partitions != {self.dp}:
+            saved_dp = max(partitions)
+            raise ConfigError(
+                f"{tag_dir}: saved at data-parallel size {saved_dp}, with the optimizer state "
+                f"partitioned per replica ({precision_of(self.ds_config)}, ZeRO); this run has "
+                f"{self.dp}: DeepSpeed cannot re-partition it; resume on "
+                f"{saved_dp * self.cfg.pipeline.stages} ranks (pipeline.stages="
+                f"{self.cfg.pipeline.stages} x {saved_dp})"
             )
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:

@@ -102,6 +102,7 @@ class Trainer:
         self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
         self.save_dir = Path(cfg.train.save_dir)
         self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
+        RunLock.check_dir(self.save_dir)  # new, empty or its own run (formats/dirs.py)
         check_writable(self.save_dir)  # every rank, before any collective: all fail alike
 
         self.rank, self.world = env.init_process_group(cfg.train.collective_timeout_s)
@@ -227,6 +228,11 @@ class Trainer:
             collectives.barrier()
             return REQUEUE_EXIT_CODE
         exit_code = DONE
+        if state.step >= max_steps:
+            self.metrics.log(
+                f"nothing to train: the run is at step {state.step} and train.max_steps is "
+                f"{max_steps} (raise train.max_steps to train on)"
+            )
         while state.step < max_steps:
             update = state.step + 1  # the update tried; state.step counts the applied ones
             result = self._update(update)

@@ -194,12 +194,17 @@ def test_convert_overwrite_replaces_our_exports_only(tools, capsys, run, tmp_pat
     error_line(code, err, "exists and is not empty", "--overwrite")
     code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
     assert code == 0, err
-    # An export written before markers existed (export.json says what it is) is ours too.
+    # An export written before markers existed (export.json says what it is) is ours too, but
+    # a file an export never holds is refused by name, not deleted (issue 31).
     (out / MARKER).unlink()
     (out / "stale.txt").write_text("x")
     code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
+    error_line(code, err, f"--output {out}: is an export written by convert", "(stale.txt)")
+    assert (out / "stale.txt").read_text() == "x"
+    (out / "stale.txt").unlink()
+    code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
     assert code == 0, err
-    assert not (out / "stale.txt").exists() and (out / MARKER).is_file()
+    assert (out / MARKER).is_file()
     # A Hugging Face export is not replaced by a native one (another kind), nor the reverse.
     write_marker(out, "convert_checkpoint", "hf_export")
     code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
@@ -238,12 +243,16 @@ def test_preprocess_overwrite_replaces_a_data_dir_only(tools, capsys, tmp_path):
     assert read_marker(out) == {"tool": "preprocess_data", "kind": "data"}
     code, _, err = call(tools, capsys, "preprocess_data", argv)
     error_line(code, err, "exists and is not empty", "--overwrite")
-    # An older DATA_DIR (our manifest, no marker) may be replaced; so may a marked one.
+    # An older DATA_DIR (our manifest, no marker) may be replaced; so may a marked one; but
+    # a file a DATA_DIR never holds is refused by name, not deleted (issue 31).
     (out / MARKER).unlink()
     (out / "stale").write_text("x")
     code, _, err = call(tools, capsys, "preprocess_data", [*argv, "--overwrite"])
+    error_line(code, err, f"--output {out}: is a DATA_DIR written by preprocess", "(stale)")
+    (out / "stale").unlink()
+    code, _, err = call(tools, capsys, "preprocess_data", [*argv, "--overwrite"])
     assert code == 0, err
-    assert not (out / "stale").exists() and (out / "manifest.json").is_file()
+    assert (out / "manifest.json").is_file() and read_marker(out)["kind"] == "data"
     assert leftovers(tmp_path) == []
 
 

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.distributed
 
 
 EMULATED_GPU_CHECK = (
+    "import contextlib, sys\n"
     "from megatron_branchnorm.experiments.fault_inject import emulate_fp16_on_cpu\n"
-    "emulate_fp16_on_cpu()\n"
+    "with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines\n"
+    "    emulate_fp16_on_cpu()\n"
     "from megatron_branchnorm.workflows.gpu_check import main\n"
     "raise SystemExit(main())\n"
 )

@@ -1,0 +1,55 @@
+"""Ctrl-C during a save, and a resume with nothing left to train (issue 31, item 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.run_lock import LOCK_NAME
+from tests.faults.test_misuse_train import error_line, train
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.parametrize("point", [p for p in SAVE_POINTS if p != "after_manifest"])
+def test_ctrl_c_during_a_save_keeps_nothing_half_written(tmp_path: Path, point: str) -> None:
+    """The line says "nothing half-written was kept": the unfinished tag is gone and
+    ``latest`` names the last complete checkpoint."""
+    save_dir = tmp_path / "run"
+    overrides = ["train.max_steps=4", "train.save_interval=1"]
+    ((code, _, stderr),) = train(save_dir, overrides, fault=f"save_interrupt@{point}:step2")
+    assert code == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "interrupted (Ctrl-C): nothing half-written was kept" in stderr
+    assert not (save_dir / ckpt.tag_for(2)).exists()
+    assert ckpt.checkpoint_tags(save_dir) == ([ckpt.tag_for(1)], [])
+    assert ckpt.read_latest(save_dir) == ckpt.tag_for(1)
+    assert not (save_dir / LOCK_NAME).exists()
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path: Path) -> None:
+    save_dir = tmp_path / "run"
+    ((code, _, stderr),) = train(save_dir, ["train.max_steps=3", "train.save_interval=0"])
+    assert code == 0, stderr[-3000:]
+    ((code, stdout, stderr),) = train(save_dir, ["train.max_steps=2", "train.save_interval=0"])
+    assert code == 0, stderr[-3000:]
+    assert "nothing to train: the run is at step 3 and train.max_steps is 2" in stdout
+    assert ckpt.read_latest(save_dir) == ckpt.tag_for(3)
+
+
+def test_a_zero1_bf16_resume_at_another_data_parallel_size_is_one_line(tmp_path: Path) -> None:
+    """DeepSpeed cannot re-partition ZeRO-1's optimizer state (its ZeRORuntimeException was
+    a traceback on every rank); until a resume in another layout carries it, one line says
+    which world size resumes the checkpoint, and nothing is written."""
+    save_dir = tmp_path / "run"
+    bf16 = ["train.deepspeed_config=ds_configs/zero1_bf16.json", "pipeline.stages=1"]
+    saved = train(save_dir, [*bf16, "train.max_steps=1"], world=2)
+    assert [code for code, _, _ in saved] == [0, 0], saved[0][2][-3000:]
+    before = sorted(p.name for p in save_dir.iterdir())
+    (result,) = train(save_dir, [*bf16, "train.max_steps=2"], world=1)
+    line = error_line(result)
+    assert "saved at data-parallel size 2" in line and "resume on 2 ranks" in line, line
+    assert sorted(p.name for p in save_dir.iterdir()) == before
