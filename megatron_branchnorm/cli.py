@@ -19,13 +19,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import math
 import os
 import shutil
+import signal
 import stat
 import sys
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -53,6 +56,23 @@ def describe_os_error(exc: OSError) -> str:
     if name is not None and getattr(exc, "filename2", None):
         name = f"{exc.filename} -> {exc.filename2}"
     return f"{name}: {reason}" if name is not None else one_line(str(exc))
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while the block runs, then deliver it: for importing torch,
+    NumPy and DeepSpeed, whose imports swallow a KeyboardInterrupt in places and leave a
+    half-initialised module behind (seen: NumPy without ``multiply``, a traceback, exit 1).
+    The interrupt then ends the command cleanly through :func:`run_main` (exit 130). Threads
+    started inside the block keep SIGINT blocked; the main thread gets it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

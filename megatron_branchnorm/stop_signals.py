@@ -77,6 +77,9 @@ def watch_launcher(poll_s: float = POLL_S) -> bool:
 
     def watch() -> None:
         global _received
+        # signals are the main thread's: this thread never takes one (a Ctrl-C held back
+        # while the main thread imports must wait for it, cli.interrupts_deferred)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *STOP_SIGNALS})
         while True:
             threading.Event().wait(poll_s)
             if os.getppid() != launcher:

@@ -17,13 +17,17 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# First of all: a SIGUSR1/SIGTERM from now on is recorded, not fatal (stop_signals' docstring).
-from megatron_branchnorm import stop_signals  # noqa: E402
+try:
+    # First of all: a SIGUSR1/SIGTERM from now on is recorded, not fatal (stop_signals).
+    from megatron_branchnorm import stop_signals
 
-stop_signals.install()
+    stop_signals.install()
 
-from megatron_branchnorm.cli import run_main  # noqa: E402
-from megatron_branchnorm.config import load_config  # noqa: E402
+    from megatron_branchnorm.cli import interrupts_deferred, run_main
+    from megatron_branchnorm.config import load_config
+except KeyboardInterrupt:  # Ctrl-C before run_main takes over: the same line and exit code
+    print("interrupted (Ctrl-C): nothing half-written was kept", file=sys.stderr)
+    os._exit(130)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -50,7 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _train(argv: list[str] | None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cfg = load_config(args.config, args.overrides)
-    from megatron_branchnorm.training.trainer import run
+    with interrupts_deferred():  # torch, NumPy, DeepSpeed: a Ctrl-C waits for their imports
+        from megatron_branchnorm.training.trainer import run
 
     return run(cfg)
 

@@ -34,12 +34,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import one_line, read_json_object, sha256_file
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: the names above stay light
+    import torch
 
 MANIFEST = "checksums.json"
 LATEST = "latest"
@@ -249,6 +250,9 @@ def rng_state() -> dict:
     On a GPU, only this rank's bound device's generator is saved (a list of one): a rank
     drives one GPU, and a list of every visible GPU's state would not restore on a node
     with fewer GPUs."""
+    import numpy as np
+    import torch
+
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -260,6 +264,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` captured."""
+    import numpy as np
+    import torch
+
     version, seq, gauss = state["python"]
     random.setstate((version, tuple(seq), gauss))
     name, keys, *rest = state["numpy"]
@@ -331,6 +338,8 @@ def read_checkpoint(
 
 def read_layer_file(path: Path) -> dict[str, torch.Tensor]:
     """One layer file's state dict (``weights_only=True``); CheckpointError naming it."""
+    import torch
+
     try:
         layer = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
@@ -357,6 +366,8 @@ FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
 def load_optimizer_file(path: Path) -> dict:
     """A DeepSpeed optimizer-state file read with ``weights_only=True``, its
     ``fragment_address`` objects as :class:`FragmentAddress` (exceptions propagate)."""
+    import torch
+
     with torch.serialization.safe_globals([(FragmentAddress, FRAGMENT_ADDRESS)]):
         return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -388,6 +399,8 @@ def read_master_weights(tag_dir: Path, param_key: Callable[[str], str]) -> dict[
     embedding is held by the first and the last stage with the same values: the first
     stage's copy is taken.
     """
+    import torch
+
     files = bf16_optim_files(tag_dir)
     state: dict[str, torch.Tensor] = {}
     for stage in sorted(files):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +13,9 @@ import pytest
 from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.run_lock import LOCK_NAME
+from tests.faults.common import TRAIN
 from tests.faults.test_misuse_train import error_line, train
+from tests.pipeline.conftest import ROOT
 
 pytestmark = pytest.mark.faults
 
@@ -53,3 +59,24 @@ def test_a_zero1_bf16_resume_at_another_data_parallel_size_is_one_line(tmp_path:
     line = error_line(result)
     assert "saved at data-parallel size 2" in line and "resume on 2 ranks" in line, line
     assert sorted(p.name for p in save_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("delay_s", [0.1, 0.3, 0.6, 1.0, 1.6, 2.5])
+def test_ctrl_c_while_train_imports_is_one_line(tmp_path: Path, delay_s: float) -> None:
+    """Wherever the interrupt lands in starting up (our imports, then torch, NumPy and
+    DeepSpeed's, which swallow a KeyboardInterrupt in places: NumPy was left without
+    ``multiply``, a traceback, exit 1), it ends the run with one line and exit 130."""
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal has it
+    )
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C): nothing half-written was kept"
