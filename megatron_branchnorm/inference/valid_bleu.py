@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from typing import Any
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.files import one_line
 from megatron_branchnorm.formats.records import (
     BLEU_FILE,
     append_bleu_row,
@@ -236,7 +238,8 @@ class BleuLog:
                 self.tb = SummaryWriter(str(self.tb_dir))
             self.tb.add_scalar("valid_bleu", row["valid_bleu"], row["step"])
             self.tb.flush()
-        except Exception:  # noqa: BLE001 - TensorBoard must not stop the scoring
+        except Exception as exc:  # noqa: BLE001 - TensorBoard must not stop the scoring
+            print(f"warning: tensorboard disabled: {one_line(str(exc), 300)}", file=sys.stderr)
             self.tb = False
 
     def close(self) -> None:
