@@ -276,7 +276,8 @@ def source_dependence(
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name in ("true", "shuffled", "empty"):
-        total = count = 0.0
+        # summed on the model's device in float64 (the same sums as Python floats), read once
+        total = count = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             for b in batches:
                 src = b["src_tokens"]
@@ -286,7 +287,7 @@ def source_dependence(
                     src = torch.cat([src[:, :1], torch.full_like(src[:, :1], EOS_ID)], dim=1)
                 logits = model(src, b["prev_output_tokens"])
                 _, nll, n = label_smoothed_nll_loss(logits, b["target"], 0.0)
-                total += nll.item()
-                count += n.item()
-        out[name] = total / count
+                total = total.to(nll.device) + nll.double()
+                count = count.to(nll.device) + n.double()
+        out[name] = float(total) / float(count)
     return out

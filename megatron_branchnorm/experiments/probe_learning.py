@@ -107,12 +107,12 @@ def run_variant(job: dict) -> list[dict]:
         alpha = model.set_step(step)
         micro = [to_device(next(batches), device) for _ in range(t.micro_batches)]
         ntok = sum(b["ntokens"] for b in micro)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # read when logged
         for b in micro:
             logits = model(b["src_tokens"], b["prev_output_tokens"])
             loss, _, _ = label_smoothed_nll_loss(logits, b["target"], t.label_smoothing)
             (loss / ntok).backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach().double()
             tokens += b["ntokens"] + b["src_ntokens"]
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), t.clip_grad if t.clip_grad > 0 else float("inf")
@@ -124,7 +124,7 @@ def run_variant(job: dict) -> list[dict]:
             model.eval()
             sd = source_dependence(model, valid)
             rec = {
-                "variant": name, "step": step, "loss": loss_sum / ntok, "alpha": alpha,
+                "variant": name, "step": step, "loss": float(loss_sum) / ntok, "alpha": alpha,
                 "grad_norm": float(norm), "valid_nll": sd["true"],
                 "source_gain": sd["shuffled"] - sd["true"], "seconds": time.time() - start,
             }  # fmt: skip
