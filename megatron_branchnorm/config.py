@@ -119,6 +119,12 @@ class PipelineConfig:
 
     stages: int = 1
     """Pipeline stages; data-parallel size is world_size / stages."""
+    fallback_stages: str = ""
+    """Stage counts to use when ``stages`` does not fit the allocation (a requeue onto more or
+    fewer nodes): "" none (a one-line error names the layouts that would fit), "auto" (every
+    divisor of the world size, fewest stages first) or a list such as "12,8". The first that
+    divides the world size, keeps a resumed run's micro-batches per update and that the
+    memory planner says fits is taken (docs/design.md §17)."""
     partition: str = "balanced"
     """balanced (cost model: decoder layers cost more) | uniform | a layout string."""
     activation_checkpoint_interval: int | str = 0
@@ -549,6 +555,12 @@ def validate(cfg: ExperimentConfig) -> None:
         "pipeline.stages",
         f"{p.stages} stages for {n_specs} pipeline layers "
         f"({cfg.model.encoder_layers} encoder + {cfg.model.decoder_layers} decoder + 5)",
+    )
+    fallback = p.fallback_stages.strip()
+    _check(
+        fallback in ("", "auto") or re.fullmatch(r"[1-9][0-9]{0,5}(,[1-9][0-9]{0,5})*", fallback),
+        "pipeline.fallback_stages",
+        f'must be "", auto or stage counts such as 12,8, got {quote(p.fallback_stages)}',
     )
     _check(bool(p.partition), "pipeline.partition", "must be balanced, uniform or a layout string")
     interval = p.activation_checkpoint_interval

@@ -50,6 +50,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "model.layernorm_impl",
     "model.compile",
     "pipeline.stages",
+    "pipeline.fallback_stages",
     "pipeline.partition",
     "pipeline.activation_checkpoint_interval",
     "train.max_steps",

@@ -428,3 +428,174 @@ def read_master_weights(tag_dir: Path, param_key: Callable[[str], str]) -> dict[
                 raise CheckpointError(f"{first}: layer {idx} is not in the layout") from None
             state.setdefault(key, torch.cat(parts))
     return state
+
+
+# ---- reading a checkpoint's optimizer state, per parameter ------------------------------------
+
+OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
+"""Our key in each stage's engine file (DeepSpeed's client state): the engine's parameter names
+in the order of the fp32 optimizer's param groups (torch keys its state by that position). The
+BF16 optimizer's files name their parameters themselves (``param_slice_mappings``)."""
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class LayoutError(CheckpointError):
+    """A checkpoint whose optimizer state cannot be re-laid out (the message says why)."""
+
+
+def read_optimizer_state(
+    tag_dir: Path, param_key: Callable[[str], str], stages: set[int] | None = None
+) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The training state of a checkpoint per parameter, whatever its stage and data-parallel
+    layout: ``{param_key(engine name): {"step", "exp_avg", "exp_avg_sq"[, "master"]}}``, each
+    tensor 1-D (``step`` 0-dim), fp32, on the CPU. ``master`` (the fp32 master weights) is there
+    for a bf16 checkpoint only: an fp32 run's weights are its layer files.
+
+    Only the files of ``stages`` (of the saved layout; None: all) are read. A parameter held by
+    two stages (the tied embedding, first and last) has the same state on both: the lowest
+    stage's copy is taken. None when the checkpoint predates :data:`OPTIMIZER_PARAM_NAMES` (an
+    fp32 run saved before it); :class:`LayoutError` for fp16's ZeRO state, which is not read.
+    """
+    import torch
+
+    tag_dir = Path(tag_dir)
+    partitioned = optim_files(tag_dir)
+    if partitioned and not bf16_optim_files(tag_dir):
+        raise LayoutError(
+            f"{tag_dir}: fp16 ZeRO optimizer state is not re-laid out; resume it at its saved "
+            "layout, or in bf16 or fp32"
+        )
+    by_stage: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    if partitioned:
+        for stage, files in sorted(partitioned.items()):
+            if stages is None or stage in stages:
+                by_stage[stage] = _read_bf16_stage(files, param_key)
+    else:
+        for path in sorted(Path(tag_dir).iterdir()):
+            match = ENGINE_FILE.fullmatch(path.name)
+            if match and (stages is None or int(match.group(1)) in stages):
+                found = _read_fp32_stage(path, param_key)
+                if found is None:
+                    return None
+                by_stage[int(match.group(1))] = found
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in sorted(by_stage):
+        for key, value in by_stage[stage].items():
+            state.setdefault(key, value)
+    return state
+
+
+def _placed(name: str, path: Path, param_key: Callable[[str], str]) -> str:
+    try:
+        return param_key(name)
+    except KeyError:
+        raise CheckpointError(f"{path}: parameter {name} is not in the layout") from None
+
+
+def _read_bf16_stage(files: dict[int, Path], param_key) -> dict[str, dict[str, torch.Tensor]]:
+    """One stage's BF16 optimizer files (one per data-parallel rank, in rank order): each holds
+    a flat fp32 partition per param group, Adam's moments over the same partition, and where
+    each parameter's piece lies in it; a parameter is its pieces concatenated over the ranks."""
+    import torch
+
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    steps: dict[str, torch.Tensor] = {}
+    for dp in sorted(files):
+        path = files[dp]
+        try:
+            opt = load_optimizer_file(path)["optimizer_state_dict"]
+            base = opt["base_optimizer_state"]
+            groups = zip(
+                opt["single_partition_of_fp32_groups"],
+                opt["param_slice_mappings"],
+                base["param_groups"],
+                strict=True,
+            )
+            for flat, mapping, group in groups:
+                adam = base["state"].get(group["params"][0])
+                if adam is None:  # saved before the first update: no moments yet
+                    continue
+                sources = {"master": flat, **{k: adam[k] for k in ADAM_STATE}}
+                for name, addr in mapping.items():
+                    into = pieces.setdefault(name, {k: [] for k in sources})
+                    for k, src in sources.items():
+                        into[k].append(src.narrow(0, addr.start, addr.numel))
+                    steps[name] = adam["step"]
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+            raise CheckpointError(f"{path}: cannot read bf16 optimizer state: {one_line(exc)}") from None
+    first = files[min(files)]
+    return {
+        _placed(name, first, param_key): {
+            "step": steps[name].float().clone(),
+            **{k: torch.cat(v).float() for k, v in parts.items()},
+        }
+        for name, parts in pieces.items()
+    }
+
+
+def _read_fp32_stage(path: Path, param_key) -> dict[str, dict[str, torch.Tensor]] | None:
+    """One stage's engine file of an fp32 run: torch's optimizer state keyed by position,
+    named by :data:`OPTIMIZER_PARAM_NAMES` (None when the file predates it)."""
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        names = saved.get(OPTIMIZER_PARAM_NAMES)
+        if names is None:
+            return None
+        opt = saved["optimizer"]
+        out = {}
+        for group, group_names in zip(opt["param_groups"], names, strict=True):
+            for index, name in zip(group["params"], group_names, strict=True):
+                adam = opt["state"].get(index)
+                if adam is not None:  # none before the first update
+                    out[_placed(name, path, param_key)] = {
+                        "step": adam["step"].float().clone(),
+                        **{k: adam[k].float().flatten() for k in ADAM_STATE},
+                    }
+        return out
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+        raise CheckpointError(f"{path}: cannot read optimizer state: {one_line(exc)}") from None
+
+
+def saved_data_parallel(tag_dir: Path, info: dict) -> int | None:
+    """The data-parallel size a checkpoint was trained at: ``train_config.json``'s
+    ``data_parallel``, or for older checkpoints its RNG files (one per rank) over its stages;
+    None when neither says."""
+    value = info.get("data_parallel")
+    if isinstance(value, int) and value >= 1:
+        return value
+    try:
+        stages = len(info["parts"]) - 1
+    except (KeyError, TypeError):
+        return None
+    ranks = sum(1 for p in Path(tag_dir).glob("rng_state_rank*.pt"))
+    return ranks // stages if stages >= 1 and ranks and ranks % stages == 0 else None
+
+
+def saved_micro_batches(info: dict) -> int | None:
+    """``train.micro_batches`` (per data-parallel rank) of the run that saved a checkpoint."""
+    try:
+        value = info["config"]["train"]["micro_batches"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value >= 1 else None
+
+
+def seed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (every GPU's too) from (seed, step, rank):
+    the RNG of a rank resumed in another layout, where no saved stream belongs to it."""
+    import numpy as np
+    import torch
+
+    value = int.from_bytes(
+        hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little"
+    ) & (2**63 - 1)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)

@@ -125,6 +125,7 @@ class Checkpointer:
             else {k: self.vocab[k] for k in ("spm_sha256", "vocab_size")},
             "data_manifest_sha256": self.data_manifest_sha256,
             "precision": precision_of(self.ds_config),
+            "data_parallel": self.dp,
         }
         t0 = time.time()
         if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
@@ -144,8 +145,14 @@ class Checkpointer:
         step, tag = client["step"], tag_dir.name
         self._guard_checkpoint_engine()
         self.save_error = None
+        # Each stage's engine file also names its fp32 optimizer's parameters in order (torch
+        # keys the state by position), so a resume in another layout can place them.
+        names = self._optimizer_param_names()
         self.engine.save_checkpoint(
-            str(self.save_dir), tag=tag, client_state=client, save_latest=False
+            str(self.save_dir),
+            tag=tag,
+            client_state={**client, ckpt.OPTIMIZER_PARAM_NAMES: names} if names else client,
+            save_latest=False,
         )
         if self.save_error is None:
             rng_path = ckpt.rng_file(tag_dir, self.rank)
@@ -165,6 +172,15 @@ class Checkpointer:
             except OSError as exc:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
         agree_or_raise(self.world, error)
+
+    def _optimizer_param_names(self) -> list[list[str]] | None:
+        """The engine's parameter names of each param group of the fp32 optimizer, in its
+        order; None when the engine's optimizer is DeepSpeed's (bf16, fp16: its files name
+        their parameters)."""
+        if self.engine.optimizer is not self.optimizer:
+            return None
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
 
     def _retain(self) -> None:
         """Checkpoint retention after a complete save (rank 0; every rank has finished
@@ -236,27 +252,17 @@ class Checkpointer:
         saved = ckpt.read_train_config(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)
-        if saved["parts"] != self.parts or saved.get("repartitioned"):
+        old_precision = saved.get("precision")
+        partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
+        if (
+            saved["parts"] != self.parts
+            or saved.get("repartitioned")
+            or (partitions and partitions != {self.dp})
+        ):
+            self._check_precision(tag_dir, old_precision)
             self._resume_other_layout(tag_dir, saved)
             return
-        old_precision = saved.get("precision")
-        if old_precision is not None and old_precision != precision_of(self.ds_config):
-            raise ConfigError(
-                f"config key train.deepspeed_config: {self.cfg.train.deepspeed_config} trains in "
-                f"{precision_of(self.ds_config)}, the checkpoint {tag_dir} in {old_precision}: "
-                "DeepSpeed's optimizer state differs between them; use a DeepSpeed JSON with the "
-                "checkpoint's precision and ZeRO stage"
-            )
-        partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
-        if partitions and partitions != {self.dp}:
-            saved_dp = max(partitions)
-            raise ConfigError(
-                f"{tag_dir}: saved at data-parallel size {saved_dp}, with the optimizer state "
-                f"partitioned per replica ({precision_of(self.ds_config)}, ZeRO); this run has "
-                f"{self.dp}: DeepSpeed cannot re-partition it; resume on "
-                f"{saved_dp * self.cfg.pipeline.stages} ranks (pipeline.stages="
-                f"{self.cfg.pipeline.stages} x {saved_dp})"
-            )
+        self._check_precision(tag_dir, old_precision)
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
@@ -274,6 +280,17 @@ class Checkpointer:
             )
         self._apply_optimizer_config()
         self.log(f"resumed from {tag_dir} at step {self.state.step}")
+
+    def _check_precision(self, tag_dir: Path, old_precision: str | None) -> None:
+        """The checkpoint's precision and ZeRO stage must be this run's: DeepSpeed's optimizer
+        state differs between them."""
+        if old_precision is not None and old_precision != precision_of(self.ds_config):
+            raise ConfigError(
+                f"config key train.deepspeed_config: {self.cfg.train.deepspeed_config} trains in "
+                f"{precision_of(self.ds_config)}, the checkpoint {tag_dir} in {old_precision}: "
+                "DeepSpeed's optimizer state differs between them; use a DeepSpeed JSON with the "
+                "checkpoint's precision and ZeRO stage"
+            )
 
     def _check_resume_config(self, tag_dir: Path, saved: dict) -> dict:
         """The checks a resume makes against the checkpoint: first the vocabulary (the data's
@@ -321,18 +338,22 @@ class Checkpointer:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def _resume_other_layout(self, tag_dir: Path, saved: dict) -> None:
-        """Resume a checkpoint written with another stage layout: weights layer by layer
-        (layer files are named by their index in the layer list, not by stage), step, data
-        position; the optimizer state starts fresh (a warning says so) and the LR schedule
-        continues from the step."""
-        # Only this stage's layer files, and entry 0 (the tied embedding is saved there): a
-        # rank of a 1000-layer model must not load the whole model to keep 1/16 of it.
+        """Resume a checkpoint written in another layout (stage count, split or data-parallel
+        size) with the whole training state (docs/design.md §17): weights layer by layer
+        (layer files are named by their index in the layer list, not by stage); fp32 master
+        weights, Adam's moments and step per parameter from the optimizer files of the saved
+        stages that held this stage's layers; step, data position and the LR schedule.
+        Each rank reads only those stages' files: a rank of a 1000-layer model never loads
+        the whole model. The RNG streams are per rank, so a new layout seeds them afresh
+        from (seed, step, rank)."""
         stage = self.engine.stage_id
-        mine = set(range(self.parts[stage], self.parts[stage + 1])) | {0}
-        _, flat = ckpt.read_checkpoint(  # resume verified it
-            tag_dir, pipe_to_flat_key, verify=False, indices=mine
-        )
         names = spec_names(self.cfg.model)
+        mine = {int(k.split(".", 1)[0]) for k, _ in self.module.named_parameters() if k[0].isdigit()}
+        tied = any(not k[0].isdigit() for k, _ in self.module.named_parameters())
+        entries = set(range(self.parts[stage], self.parts[stage + 1])) | ({0} if tied else set())
+        _, flat = ckpt.read_checkpoint(  # resume verified it
+            tag_dir, pipe_to_flat_key, verify=False, indices=entries
+        )
         state = {}
         for key in self.module.state_dict():
             flat_key = engine_param_to_flat_key(key, names)
@@ -340,16 +361,93 @@ class Checkpointer:
                 raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
             state[key] = flat[flat_key]
         self.module.load_state_dict(state, strict=True)
+        old_parts = [int(p) for p in saved["parts"]]
+        old_stages = {_stage_of(old_parts, idx) for idx in mine} | ({0} if tied else set())
+        optim = ckpt.read_optimizer_state(
+            tag_dir, lambda name: engine_param_to_flat_key(name, names), old_stages
+        )
+        if optim is not None:
+            self._place_optimizer_state(tag_dir, optim)
         self.state.step = int(saved["step"])
         self.state.samples = int(saved["samples"])
         self.stream.load_state_dict(saved["sampler"])
         self.scheduler.last_epoch = self.state.step
+        self.engine.global_steps = self.state.step
+        self.engine.global_samples = self.state.samples
         self._apply_optimizer_config()
+        ckpt.seed_rng(self.cfg.train.seed, self.state.step, self.rank)
+        old = f"{len(old_parts) - 1} stages {old_parts} x {ckpt.saved_data_parallel(tag_dir, saved)}"
+        new = f"{len(self.parts) - 1} stages {self.parts} x {self.dp}"
+        if optim is None:
+            self.log(
+                f"warning: {tag_dir} was written with layout {old}, this run uses {new}: weights "
+                f"loaded layer by layer at step {self.state.step}; the checkpoint predates "
+                "per-parameter optimizer state, so Adam's moments start fresh"
+            )
+            return
         self.log(
-            f"warning: {tag_dir} was written with stage layout {saved['parts']}, this run uses "
-            f"{self.parts}: weights loaded layer by layer at step {self.state.step}; optimizer state "
-            "(Adam moments) and RNG states start fresh"
+            f"resumed from {tag_dir} at step {self.state.step} in another layout ({old} -> "
+            f"{new} data-parallel): weights, fp32 master weights, Adam's moments and step re-laid "
+            "per parameter; RNG streams seeded from (seed, step, rank)"
         )
+
+    def _place_optimizer_state(self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Put the per-parameter state ``full`` (formats.checkpoint.read_optimizer_state) into
+        this rank's optimizer: torch's AdamW in fp32 (its state by position), or DeepSpeed's
+        BF16 optimizer, whose flat fp32 partition on this data-parallel rank holds a fragment of
+        each parameter (the fragment addresses DeepSpeed links to each parameter,
+        ``_hp_mapping``); its bf16 weights are then refreshed from the masters."""
+        names = spec_names(self.cfg.model)
+
+        def entry(name: str) -> dict[str, torch.Tensor]:
+            key = engine_param_to_flat_key(name, names)
+            if key not in full:
+                raise ckpt.CheckpointError(f"{tag_dir}: no optimizer state for {key}")
+            return full[key]
+
+        if self.engine.optimizer is self.optimizer:  # fp32: torch's optimizer over the module
+            by_id = {id(p): n for n, p in self.module.named_parameters()}
+            sd = self.optimizer.state_dict()
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            sd["state"] = {
+                i: {
+                    "step": entry(by_id[id(p)])["step"].clone(),
+                    **{k: entry(by_id[id(p)])[k].view_as(p) for k in ckpt.ADAM_STATE},
+                }
+                for i, p in enumerate(params)
+            }
+            self.optimizer.load_state_dict(sd)
+            return
+        bf16 = self.engine.optimizer
+        if not hasattr(bf16, "fp32_groups_flat_partition"):
+            raise ckpt.LayoutError(
+                f"{tag_dir}: this run's optimizer ({type(bf16).__name__}) is not re-laid out; "
+                "resume at the checkpoint's layout"
+            )
+        base = bf16.optimizer
+        sd = base.state_dict()
+        for i, hp in enumerate(bf16.fp32_groups_flat_partition):
+            moments = {k: torch.zeros_like(hp) for k in ckpt.ADAM_STATE}
+            step = None
+            for lp in bf16.bf16_groups[i]:
+                mapping = lp._hp_mapping
+                if mapping is None:  # no piece of it on this data-parallel rank
+                    continue
+                src = entry(bf16.param_names[lp])
+                lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
+                for dst, key in ((hp.data, "master"), *((moments[k], k) for k in ckpt.ADAM_STATE)):
+                    piece = src[key].narrow(0, lp_at.start, lp_at.numel)
+                    dst.narrow(0, hp_at.start, hp_at.numel).copy_(piece)
+                step = src["step"]
+            if step is None:  # a partition of padding only: the step of any parameter
+                step = next(iter(full.values()))["step"]
+            sd["state"][sd["param_groups"][i]["params"][0]] = {"step": step.clone(), **moments}
+        base.load_state_dict(sd)
+        bf16.update_lp_params()  # bf16 weights = the masters (an all-gather over data-parallel)
+        # Link each parameter to its moments' fragments now, as DeepSpeed does after its first
+        # step, so its fragment API (safe_get_full_optimizer_state) reads the loaded state.
+        bf16._hp_optimizer_states_linked = False
+        bf16._lazy_init_hp_params_optimizer_state()
 
     def record_start(self) -> None:
         """Rank 0 writes the run's config.yaml and appends to its resume history; the
@@ -368,3 +466,11 @@ class Checkpointer:
             except OSError as exc:
                 error = f"cannot write the run's config: {describe_os_error(exc)}"
         agree_or_raise(self.world, error)
+
+
+def _stage_of(parts: list[int], index: int) -> int:
+    """The stage of plan ``parts`` that holds layer-list entry ``index``."""
+    for stage in range(len(parts) - 1):
+        if parts[stage] <= index < parts[stage + 1]:
+            return stage
+    raise ckpt.CheckpointError(f"layer-list entry {index} is outside the saved plan {parts}")

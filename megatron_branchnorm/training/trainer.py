@@ -25,6 +25,7 @@ import torch
 from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.data.sampling import (
     SAMPLING_FILE,
     format_sampling_table,
@@ -52,6 +53,7 @@ from megatron_branchnorm.training.data import (
     resolve_vocab,
     vocab_identity,
 )
+from megatron_branchnorm.training.layout import Device, SavedBatch, choose_layout
 from megatron_branchnorm.training.exit_codes import DONE, NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
 from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW, install_fp32_grad_norm
 from megatron_branchnorm.training.metrics import MetricsLog, Progress, UpdateFigures
@@ -91,15 +93,15 @@ class Trainer:
         self.threads = env.set_thread_count()
         world = int(os.environ["WORLD_SIZE"])
         stages = cfg.pipeline.stages
-        if world % stages:
+        if world % stages and not cfg.pipeline.fallback_stages.strip():
             raise ConfigError(
-                f"config key pipeline.stages: {stages} does not divide the world size {world}"
+                f"config key pipeline.stages: {stages} does not divide the world size {world} "
+                "(pipeline.fallback_stages=auto lets the run choose a layout that fits)"
             )
-        self.dp = world // stages
         self.cfg = cfg = resolve_vocab(cfg)
-        self.ds_config = dsc.load_ds_config(cfg, self.dp)
-        dsc.check_precision_supported(self.ds_config, cfg.train.deepspeed_config)
-        self.parts = partition_plan(cfg.model, stages, cfg.pipeline.partition)
+        # Checked before any collective; the layout (stages, data-parallel size, micro-batches)
+        # is settled once the ranks can agree on it (_settle_layout).
+        dsc.check_precision_supported(dsc.load_ds_config(cfg, 1), cfg.train.deepspeed_config)
         self.save_dir = Path(cfg.train.save_dir)
         self.vocab, self.data_manifest_sha256 = vocab_identity(cfg)
         RunLock.check_dir(self.save_dir)  # new, empty or its own run (formats/dirs.py)
@@ -110,7 +112,7 @@ class Trainer:
         self.lock: RunLock | None = None
         self._take_lock()
         try:
-            self._build(cfg)
+            self._build(self.cfg)
         except BaseException:
             self.close()
             raise
@@ -137,8 +139,34 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
+    def _settle_layout(self, cfg: ExperimentConfig) -> ExperimentConfig:
+        """The stage count, data-parallel size and micro-batches this run trains with
+        (training/layout.py): a resumed run keeps its checkpoint's micro-batches per update,
+        and a world size the configured stages do not fit takes pipeline.fallback_stages.
+        Every rank decides the same: the device memory is the smallest rank's."""
+        saved = None
+        tag, _ = ckpt.resume_tag(self.save_dir)  # resume() reports its notes
+        if tag is not None:
+            info = ckpt.read_train_config(self.save_dir / tag)
+            micro = ckpt.saved_micro_batches(info)
+            dp = ckpt.saved_data_parallel(self.save_dir / tag, info)
+            if micro is not None and dp is not None:
+                saved = SavedBatch(micro, dp)
+        memory = -collectives.to_host(
+            collectives.all_reduce([-env.device_memory_bytes()], op="max")
+        )[0]
+        device = Device(memory, 3 * 2**30 if torch.cuda.is_available() else 0.0)
+        layout = choose_layout(cfg, self.world, device, saved)
+        self.layout_note = layout.note
+        cfg = layout.apply(cfg)
+        self.dp = layout.data_parallel
+        self.ds_config = dsc.load_ds_config(cfg, self.dp)
+        self.parts = partition_plan(cfg.model, cfg.pipeline.stages, cfg.pipeline.partition)
+        return cfg
+
     def _build(self, cfg: ExperimentConfig) -> None:
         """The stage's module, DeepSpeed's engine, the data and the parts of the loop."""
+        self.cfg = cfg = self._settle_layout(cfg)
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
         module = build_pipeline_module(cfg.model, self.parts, cfg.train.seed, self.loss_fn)
@@ -293,6 +321,8 @@ class Trainer:
             f"world {self.world} = {cfg.pipeline.stages} stages x {self.dp} data-parallel; "
             f"{self.threads} threads/rank; {describe_layernorm(cfg.model.layernorm_impl, device_type)}"
         )
+        if self.layout_note:
+            self.metrics.log(self.layout_note)
         self.metrics.log(describe_plan(cfg.model, self.parts))
         counts = self.stream.direction_counts() if self.rank == 0 else None
         if counts is not None:  # None: synthetic data
