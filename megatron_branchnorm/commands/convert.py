@@ -62,8 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int_flag(1, 10_000),
         default=None,
         metavar="STAGES",
-        help="instead of exporting, write a training checkpoint re-laid out "
-        "for STAGES pipeline stages into --output (a new save_dir)",
+        help="instead of exporting, write the weights of a training checkpoint re-laid out "
+        "for STAGES pipeline stages into --output (a new save_dir); the optimizer state stays "
+        "behind: to keep it, resume the original save_dir in the new layout (train.py re-lays "
+        "the whole state itself)",
     )
     args = parser.parse_args(argv)
     if args.average_best and (args.average_last != 1 or args.tag is not None):
@@ -94,7 +96,11 @@ def _convert(argv: list[str] | None) -> int:
     check_parent_dir(args.output, "--output")
     if args.repartition is not None:
         out = repartition_checkpoint(save_dir, args.output, args.repartition, args.tag)
-        print(f"wrote {out}: checkpoint for {args.repartition} stage(s)")
+        print(
+            f"wrote {out}: weights for {args.repartition} stage(s), without the optimizer state "
+            "(Adam starts fresh from it); train.py resumes the original save_dir in any layout "
+            "with the whole state (docs/design.md §17)"
+        )
         return 0
     # Before any work: the output must not overlap the run or its data, and --overwrite
     # only ever replaces a directory this tool wrote.

@@ -454,10 +454,11 @@ def read_optimizer_state(
 
     Only the files of ``stages`` (of the saved layout; None: all) are read. A parameter held by
     two stages (the tied embedding, first and last) has the same state on both: the lowest
-    stage's copy is taken. None when the checkpoint predates :data:`OPTIMIZER_PARAM_NAMES` (an
-    fp32 run saved before it); :class:`LayoutError` for fp16's ZeRO state, which is not read.
+    stage's copy is taken. None when the checkpoint holds no such state: an fp32 run saved
+    before :data:`OPTIMIZER_PARAM_NAMES`, or a checkpoint re-laid by ``convert_checkpoint.py
+    --repartition`` (weights only); :class:`LayoutError` for fp16's ZeRO state, which is not
+    read.
     """
-    import torch
 
     tag_dir = Path(tag_dir)
     partitioned = optim_files(tag_dir)
@@ -479,6 +480,8 @@ def read_optimizer_state(
                 if found is None:
                     return None
                 by_stage[int(match.group(1))] = found
+    if not by_stage:  # no optimizer files (a checkpoint re-laid by convert --repartition)
+        return None
     state: dict[str, dict[str, torch.Tensor]] = {}
     for stage in sorted(by_stage):
         for key, value in by_stage[stage].items():
@@ -525,7 +528,9 @@ def _read_bf16_stage(files: dict[int, Path], param_key) -> dict[str, dict[str, t
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-            raise CheckpointError(f"{path}: cannot read bf16 optimizer state: {one_line(exc)}") from None
+            raise CheckpointError(
+                f"{path}: cannot read bf16 optimizer state: {one_line(exc)}"
+            ) from None
     first = files[min(files)]
     return {
         _placed(name, first, param_key): {

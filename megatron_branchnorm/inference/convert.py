@@ -403,9 +403,10 @@ def repartition_checkpoint(
     Layer files are named by their index in the layer list, so they are copied unchanged
     (their exports are byte-identical), with the tag's ``spm.model``; a bf16 checkpoint's
     layer files are written with its fp32 master weights instead (:func:`read_master_weights`); the plan in
-    ``train_config.json`` is recomputed (balanced). DeepSpeed's per-stage engine files
-    (optimizer state) cannot be re-laid out: a run resumed from the result loads weights by
-    layer and starts the optimizer afresh. ``out_dir`` must not exist or be empty (a save_dir
+    ``train_config.json`` is recomputed (balanced). Weights only: the optimizer state stays
+    behind, and a run resumed from the result starts Adam afresh (with a warning). The trainer
+    needs no re-laid copy to keep the whole state: it resumes the original save_dir in any
+    layout itself (docs/design.md §17). ``out_dir`` must not exist or be empty (a save_dir
     is never replaced: it may hold a run) and must not overlap ``save_dir``.
     """
     import os

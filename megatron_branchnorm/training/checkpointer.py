@@ -348,7 +348,9 @@ class Checkpointer:
         from (seed, step, rank)."""
         stage = self.engine.stage_id
         names = spec_names(self.cfg.model)
-        mine = {int(k.split(".", 1)[0]) for k, _ in self.module.named_parameters() if k[0].isdigit()}
+        mine = {
+            int(k.split(".", 1)[0]) for k, _ in self.module.named_parameters() if k[0].isdigit()
+        }
         tied = any(not k[0].isdigit() for k, _ in self.module.named_parameters())
         entries = set(range(self.parts[stage], self.parts[stage + 1])) | ({0} if tied else set())
         _, flat = ckpt.read_checkpoint(  # resume verified it
@@ -376,13 +378,16 @@ class Checkpointer:
         self.engine.global_samples = self.state.samples
         self._apply_optimizer_config()
         ckpt.seed_rng(self.cfg.train.seed, self.state.step, self.rank)
-        old = f"{len(old_parts) - 1} stages {old_parts} x {ckpt.saved_data_parallel(tag_dir, saved)}"
+        old = (
+            f"{len(old_parts) - 1} stages {old_parts} x {ckpt.saved_data_parallel(tag_dir, saved)}"
+        )
         new = f"{len(self.parts) - 1} stages {self.parts} x {self.dp}"
         if optim is None:
             self.log(
-                f"warning: {tag_dir} was written with layout {old}, this run uses {new}: weights "
-                f"loaded layer by layer at step {self.state.step}; the checkpoint predates "
-                "per-parameter optimizer state, so Adam's moments start fresh"
+                f"warning: {tag_dir} was written with stage layout {old}, this run uses {new}: "
+                f"weights loaded layer by layer at step {self.state.step}; the checkpoint holds "
+                "no per-parameter optimizer state (saved before it was recorded, or re-laid by "
+                "convert_checkpoint.py --repartition), so Adam's moments start fresh"
             )
             return
         self.log(
@@ -391,7 +396,9 @@ class Checkpointer:
             "per parameter; RNG streams seeded from (seed, step, rank)"
         )
 
-    def _place_optimizer_state(self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _place_optimizer_state(
+        self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]]
+    ) -> None:
         """Put the per-parameter state ``full`` (formats.checkpoint.read_optimizer_state) into
         this rank's optimizer: torch's AdamW in fp32 (its state by position), or DeepSpeed's
         BF16 optimizer, whose flat fp32 partition on this data-parallel rank holds a fragment of

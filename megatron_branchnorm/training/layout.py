@@ -47,7 +47,9 @@ class Layout:
     def apply(self, cfg: ExperimentConfig) -> ExperimentConfig:
         return dataclasses.replace(
             cfg,
-            pipeline=dataclasses.replace(cfg.pipeline, stages=self.stages, partition=self.partition),
+            pipeline=dataclasses.replace(
+                cfg.pipeline, stages=self.stages, partition=self.partition
+            ),
             train=dataclasses.replace(cfg.train, micro_batches=self.micro_batches),
         )
 
@@ -141,7 +143,10 @@ def choose_layout(
         micro = _micro_batches(cfg, saved, world // s)
         if micro is not None and _fits(cfg, world, device, s, micro):
             fitting.append(f"{s} x {world // s} ({micro} micro-batches)")
-    tried = cfg.pipeline.fallback_stages or "none: set pipeline.fallback_stages=auto to let the run choose"
+    tried = (
+        cfg.pipeline.fallback_stages
+        or "none: set pipeline.fallback_stages=auto to let the run choose"
+    )
     raise ConfigError(
         f"config key pipeline.stages: {why}; fallback stages tried: {tried}; layouts (stages x "
         f"data-parallel) that fit {world} ranks"

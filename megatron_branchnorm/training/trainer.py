@@ -25,13 +25,13 @@ import torch
 from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
-from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.data.sampling import (
     SAMPLING_FILE,
     format_sampling_table,
     sampling_table,
     write_sampling_table,
 )
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model.residual import describe_layernorm, set_branch_scale
 from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
@@ -53,9 +53,9 @@ from megatron_branchnorm.training.data import (
     resolve_vocab,
     vocab_identity,
 )
-from megatron_branchnorm.training.layout import Device, SavedBatch, choose_layout
 from megatron_branchnorm.training.exit_codes import DONE, NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
 from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW, install_fp32_grad_norm
+from megatron_branchnorm.training.layout import Device, SavedBatch, choose_layout
 from megatron_branchnorm.training.metrics import MetricsLog, Progress, UpdateFigures
 from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import (

@@ -46,18 +46,22 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path: Path) -> None:
     assert ckpt.read_latest(save_dir) == ckpt.tag_for(3)
 
 
-def test_a_zero1_bf16_resume_at_another_data_parallel_size_is_one_line(tmp_path: Path) -> None:
-    """DeepSpeed cannot re-partition ZeRO-1's optimizer state (its ZeRORuntimeException was
-    a traceback on every rank); until a resume in another layout carries it, one line says
-    which world size resumes the checkpoint, and nothing is written."""
+def test_a_resume_whose_data_parallel_size_cannot_keep_the_global_batch_is_one_line(
+    tmp_path: Path,
+) -> None:
+    """A bf16 + ZeRO-1 checkpoint of 2 replicas x 1 micro-batch (2 per update) resumed on 3
+    ranks at 1 stage: 3 replicas cannot share 2 micro-batches per update. One line names the
+    layouts that would keep them (docs/design.md §17), and nothing is written; the
+    checkpoint's own 2 ranks still resume it, at another data-parallel size than 3."""
     save_dir = tmp_path / "run"
     bf16 = ["train.deepspeed_config=ds_configs/zero1_bf16.json", "pipeline.stages=1"]
-    saved = train(save_dir, [*bf16, "train.max_steps=1"], world=2)
+    saved = train(save_dir, [*bf16, "train.max_steps=1", "train.micro_batches=1"], world=2)
     assert [code for code, _, _ in saved] == [0, 0], saved[0][2][-3000:]
     before = sorted(p.name for p in save_dir.iterdir())
-    (result,) = train(save_dir, [*bf16, "train.max_steps=2"], world=1)
-    line = error_line(result)
-    assert "saved at data-parallel size 2" in line and "resume on 2 ranks" in line, line
+    results = train(save_dir, [*bf16, "train.max_steps=2", "train.micro_batches=1"], world=3)
+    line = error_line(results[0])
+    assert "does not divide the checkpoint's 2 micro-batches per update" in line, line
+    assert "3 x 1 (2 micro-batches)" in line, line
     assert sorted(p.name for p in save_dir.iterdir()) == before
 
 

@@ -70,7 +70,8 @@ def test_rehearsal_passes_and_reports_its_figures(rehearsal):
     runs = json.loads((out / "work" / "runs.json").read_text())["runs"]
     assert set(runs["interrupted"]["exit_codes"]) == {75}
     assert runs["resumed"]["resumed"]["step"] <= STEPS - 2
-    assert "written with stage layout" in runs["other_topology"]["layout_warning"]
+    assert "in another layout" in runs["other_topology"]["relayout"]
+    assert "layout_warning" not in runs["other_topology"]  # no state started afresh
     table = (out / "report.md").read_text()
     for row in (
         "start-up: launch to first update",
