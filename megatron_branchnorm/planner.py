@@ -432,14 +432,20 @@ def auto_checkpoint_interval(
     return int(plan.stage_checkpoints(plan.stage_plans[stage]))
 
 
+def stage_counts(cfg: ExperimentConfig, gpus: int) -> list[int]:
+    """The stage counts that divide ``gpus`` and that the model can be cut into, fewest first
+    (the smallest bubble first)."""
+    layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 1
+    # Only stage counts up to the layer count can be tried: never loop up to --gpus.
+    return [k for k in range(1, min(gpus, layers) + 1) if gpus % k == 0]
+
+
 def auto_stages(cfg: ExperimentConfig, gpus: int, gpu_memory: float, **kwargs) -> RunPlan:
     """The plan with the fewest stages (smallest bubble) among divisors of ``gpus`` that fits;
     the largest stage count if none does."""
     _check_count(gpus, "--gpus")
     last = None
-    layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 1
-    # Only stage counts up to the layer count can be tried: never loop up to --gpus.
-    for p in [k for k in range(1, min(gpus, layers) + 1) if gpus % k == 0]:
+    for p in stage_counts(cfg, gpus):
         last = plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs)
         if last.fits():
             return last

@@ -445,14 +445,18 @@ class LayoutError(CheckpointError):
 
 
 def read_optimizer_state(
-    tag_dir: Path, param_key: Callable[[str], str], stages: set[int] | None = None
+    tag_dir: Path,
+    param_key: Callable[[str], str],
+    stages: set[int] | None = None,
+    keys: set[str] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]] | None:
     """The training state of a checkpoint per parameter, whatever its stage and data-parallel
     layout: ``{param_key(engine name): {"step", "exp_avg", "exp_avg_sq"[, "master"]}}``, each
     tensor 1-D (``step`` 0-dim), fp32, on the CPU. ``master`` (the fp32 master weights) is there
     for a bf16 checkpoint only: an fp32 run's weights are its layer files.
 
-    Only the files of ``stages`` (of the saved layout; None: all) are read. A parameter held by
+    Only the files of ``stages`` (of the saved layout; None: all) are read, and only the
+    parameters whose key is in ``keys`` (None: all) are assembled. A parameter held by
     two stages (the tied embedding, first and last) has the same state on both: the lowest
     stage's copy is taken. None when the checkpoint holds no such state: an fp32 run saved
     before :data:`OPTIMIZER_PARAM_NAMES`, or a checkpoint re-laid by ``convert_checkpoint.py
@@ -471,12 +475,12 @@ def read_optimizer_state(
     if partitioned:
         for stage, files in sorted(partitioned.items()):
             if stages is None or stage in stages:
-                by_stage[stage] = _read_bf16_stage(files, param_key)
+                by_stage[stage] = _read_bf16_stage(files, param_key, keys)
     else:
         for path in sorted(Path(tag_dir).iterdir()):
             match = ENGINE_FILE.fullmatch(path.name)
             if match and (stages is None or int(match.group(1)) in stages):
-                found = _read_fp32_stage(path, param_key)
+                found = _read_fp32_stage(path, param_key, keys)
                 if found is None:
                     return None
                 by_stage[int(match.group(1))] = found
@@ -496,7 +500,9 @@ def _placed(name: str, path: Path, param_key: Callable[[str], str]) -> str:
         raise CheckpointError(f"{path}: parameter {name} is not in the layout") from None
 
 
-def _read_bf16_stage(files: dict[int, Path], param_key) -> dict[str, dict[str, torch.Tensor]]:
+def _read_bf16_stage(
+    files: dict[int, Path], param_key, keys: set[str] | None
+) -> dict[str, dict[str, torch.Tensor]]:
     """One stage's BF16 optimizer files (one per data-parallel rank, in rank order): each holds
     a flat fp32 partition per param group, Adam's moments over the same partition, and where
     each parameter's piece lies in it; a parameter is its pieces concatenated over the ranks."""
@@ -521,6 +527,8 @@ def _read_bf16_stage(files: dict[int, Path], param_key) -> dict[str, dict[str, t
                     continue
                 sources = {"master": flat, **{k: adam[k] for k in ADAM_STATE}}
                 for name, addr in mapping.items():
+                    if keys is not None and _placed(name, path, param_key) not in keys:
+                        continue
                     into = pieces.setdefault(name, {k: [] for k in sources})
                     for k, src in sources.items():
                         into[k].append(src.narrow(0, addr.start, addr.numel))
@@ -541,7 +549,9 @@ def _read_bf16_stage(files: dict[int, Path], param_key) -> dict[str, dict[str, t
     }
 
 
-def _read_fp32_stage(path: Path, param_key) -> dict[str, dict[str, torch.Tensor]] | None:
+def _read_fp32_stage(
+    path: Path, param_key, keys: set[str] | None
+) -> dict[str, dict[str, torch.Tensor]] | None:
     """One stage's engine file of an fp32 run: torch's optimizer state keyed by position,
     named by :data:`OPTIMIZER_PARAM_NAMES` (None when the file predates it)."""
     import torch
@@ -556,8 +566,9 @@ def _read_fp32_stage(path: Path, param_key) -> dict[str, dict[str, torch.Tensor]
         for group, group_names in zip(opt["param_groups"], names, strict=True):
             for index, name in zip(group["params"], group_names, strict=True):
                 adam = opt["state"].get(index)
-                if adam is not None:  # none before the first update
-                    out[_placed(name, path, param_key)] = {
+                key = _placed(name, path, param_key)
+                if adam is not None and (keys is None or key in keys):  # none before update 1
+                    out[key] = {
                         "step": adam["step"].float().clone(),
                         **{k: adam[k].float().flatten() for k in ADAM_STATE},
                     }

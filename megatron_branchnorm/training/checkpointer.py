@@ -4,6 +4,7 @@ and resume: the same layout exactly, or another stage layout layer by layer
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import socket
@@ -252,17 +253,15 @@ class Checkpointer:
         saved = ckpt.read_train_config(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)
-        old_precision = saved.get("precision")
+        self._check_precision(tag_dir, saved.get("precision"))
         partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
         if (
             saved["parts"] != self.parts
             or saved.get("repartitioned")
             or (partitions and partitions != {self.dp})
         ):
-            self._check_precision(tag_dir, old_precision)
             self._resume_other_layout(tag_dir, saved)
             return
-        self._check_precision(tag_dir, old_precision)
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
@@ -348,10 +347,11 @@ class Checkpointer:
         from (seed, step, rank)."""
         stage = self.engine.stage_id
         names = spec_names(self.cfg.model)
-        mine = {
-            int(k.split(".", 1)[0]) for k, _ in self.module.named_parameters() if k[0].isdigit()
-        }
-        tied = any(not k[0].isdigit() for k, _ in self.module.named_parameters())
+        # DeepSpeed names a parameter by its entry's index, or tied_modules.* (the embedding,
+        # saved in entry 0's file and held by the stages that use it).
+        params = dict(self.module.named_parameters())
+        mine = {int(k.split(".", 1)[0]) for k in params if k[0].isdigit()}
+        tied = len(self.module.tied_modules) > 0
         entries = set(range(self.parts[stage], self.parts[stage + 1])) | ({0} if tied else set())
         _, flat = ckpt.read_checkpoint(  # resume verified it
             tag_dir, pipe_to_flat_key, verify=False, indices=entries
@@ -366,10 +366,13 @@ class Checkpointer:
         old_parts = [int(p) for p in saved["parts"]]
         old_stages = {_stage_of(old_parts, idx) for idx in mine} | ({0} if tied else set())
         optim = ckpt.read_optimizer_state(
-            tag_dir, lambda name: engine_param_to_flat_key(name, names), old_stages
+            tag_dir,
+            lambda name: engine_param_to_flat_key(name, names),
+            old_stages,
+            keys={engine_param_to_flat_key(k, names) for k in params},
         )
         if optim is not None:
-            self._place_optimizer_state(tag_dir, optim)
+            self._place_optimizer_state(tag_dir, optim, names)
         self.state.step = int(saved["step"])
         self.state.samples = int(saved["samples"])
         self.stream.load_state_dict(saved["sampler"])
@@ -397,14 +400,13 @@ class Checkpointer:
         )
 
     def _place_optimizer_state(
-        self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]]
+        self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]], names: dict[int, str]
     ) -> None:
         """Put the per-parameter state ``full`` (formats.checkpoint.read_optimizer_state) into
         this rank's optimizer: torch's AdamW in fp32 (its state by position), or DeepSpeed's
         BF16 optimizer, whose flat fp32 partition on this data-parallel rank holds a fragment of
         each parameter (the fragment addresses DeepSpeed links to each parameter,
         ``_hp_mapping``); its bf16 weights are then refreshed from the masters."""
-        names = spec_names(self.cfg.model)
 
         def entry(name: str) -> dict[str, torch.Tensor]:
             key = engine_param_to_flat_key(name, names)
@@ -415,14 +417,14 @@ class Checkpointer:
         if self.engine.optimizer is self.optimizer:  # fp32: torch's optimizer over the module
             by_id = {id(p): n for n, p in self.module.named_parameters()}
             sd = self.optimizer.state_dict()
+            sd["state"] = {}
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            sd["state"] = {
-                i: {
-                    "step": entry(by_id[id(p)])["step"].clone(),
-                    **{k: entry(by_id[id(p)])[k].view_as(p) for k in ckpt.ADAM_STATE},
+            for i, p in enumerate(params):  # torch keys the state by this position
+                src = entry(by_id[id(p)])
+                sd["state"][i] = {
+                    "step": src["step"].clone(),
+                    **{k: src[k].view_as(p) for k in ckpt.ADAM_STATE},
                 }
-                for i, p in enumerate(params)
-            }
             self.optimizer.load_state_dict(sd)
             return
         bf16 = self.engine.optimizer
@@ -476,8 +478,7 @@ class Checkpointer:
 
 
 def _stage_of(parts: list[int], index: int) -> int:
-    """The stage of plan ``parts`` that holds layer-list entry ``index``."""
-    for stage in range(len(parts) - 1):
-        if parts[stage] <= index < parts[stage + 1]:
-            return stage
-    raise ckpt.CheckpointError(f"layer-list entry {index} is outside the saved plan {parts}")
+    """The stage of plan ``parts`` (ascending boundaries) that holds layer-list entry ``index``."""
+    if not parts[0] <= index < parts[-1]:
+        raise ckpt.CheckpointError(f"layer-list entry {index} is outside the saved plan {parts}")
+    return bisect.bisect_right(parts, index) - 1

@@ -53,9 +53,9 @@ def all_reduce(
     group=None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``values`` reduced (``"sum"`` or ``"max"``) over ``group``, as a tensor on its
+    """``values`` reduced (``"sum"``, ``"max"`` or ``"min"``) over ``group``, as a tensor on its
     communication device (a copy: the input is untouched). Issued at any world size."""
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     tensor = _on_device(values, group, dtype)
     dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.partition import spec_entries
-from megatron_branchnorm.planner import plan_run
+from megatron_branchnorm.planner import plan_run, stage_counts
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,6 @@ class Layout:
             ),
             train=dataclasses.replace(cfg.train, micro_batches=self.micro_batches),
         )
-
-
-def stage_counts(cfg: ExperimentConfig, world: int) -> list[int]:
-    """Every stage count the model can be cut into that divides ``world``, fewest first."""
-    limit = min(world, len(spec_entries(cfg.model)))
-    return [s for s in range(1, limit + 1) if world % s == 0]
 
 
 def fallbacks(cfg: ExperimentConfig, world: int) -> list[int]:

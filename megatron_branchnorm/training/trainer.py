@@ -152,9 +152,9 @@ class Trainer:
             dp = ckpt.saved_data_parallel(self.save_dir / tag, info)
             if micro is not None and dp is not None:
                 saved = SavedBatch(micro, dp)
-        memory = -collectives.to_host(
-            collectives.all_reduce([-env.device_memory_bytes()], op="max")
-        )[0]
+        memory = collectives.to_host(collectives.all_reduce([env.device_memory_bytes()], op="min"))[
+            0
+        ]
         device = Device(memory, 3 * 2**30 if torch.cuda.is_available() else 0.0)
         layout = choose_layout(cfg, self.world, device, saved)
         self.layout_note = layout.note
