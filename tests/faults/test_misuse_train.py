@@ -250,7 +250,9 @@ def test_release_leaves_another_runs_lock(tmp_path):
 
 def test_second_train_in_the_same_save_dir_refuses_to_start(tmp_path):
     save_dir = tmp_path / "run"
-    first = start(save_dir, ["train.max_steps=3", "train.save_interval=0"], fault="slow@2")
+    # 5 s before each update: the second start (imports, then the lock) must come while the
+    # first still trains; at 2 s a loaded 2-core machine let the first finish first (exit 0)
+    first = start(save_dir, ["train.max_steps=3", "train.save_interval=0"], fault="slow@5")
     deadline = time.time() + 240
     while not records(save_dir) and time.time() < deadline and first[0].poll() is None:
         time.sleep(0.2)
