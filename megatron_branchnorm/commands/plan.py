@@ -4,6 +4,12 @@
     python tools/plan_memory.py --config opus100_1000L --gpus 8 --gpu-memory 80GB --stages 8
     python tools/plan_memory.py --config opus100_200L --gpus 8 --gpu-memory 80GB --stages auto
 
+Without ``--stages`` or ``--micro-batches`` it plans the layout the trainer would take
+(training/layout.py): a resumed run in ``train.save_dir`` keeps its checkpoint's micro-batches per
+update, and where ``pipeline.stages`` does not divide ``--gpus``, ``pipeline.fallback_stages``
+chooses (a line ``layout: ...`` says what changed; the trainer decides again with the memory
+its devices report). The sbatch launchers call it this way before starting the ranks.
+
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
 ``total parameters: X.XXB``. ``section.key=value`` overrides apply as in train.py. Exit codes:
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megatron_branchnorm.cli import (
     ArgumentParser,
@@ -31,6 +38,7 @@ from megatron_branchnorm.planner import (
     parse_memory,
     plan_run,
 )
+from megatron_branchnorm.training.layout import Device, choose_layout, saved_batch
 
 
 def _stages(text: str) -> int | str:
@@ -113,11 +121,16 @@ def _plan(argv: list[str] | None) -> int:
         tflops=args.tflops,
         config_name=args.config,
     )
+    note = None
+    if args.stages is None and args.micro_batches is None:  # the trainer's layout
+        device = Device(args.gpu_memory, args.overhead)
+        layout = choose_layout(cfg, args.gpus, device, saved_batch(Path(cfg.train.save_dir)))
+        cfg, note = layout.apply(cfg), layout.note
     if args.stages == "auto":
         plan = auto_stages(cfg, args.gpus, args.gpu_memory, **kwargs)
     else:
         plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
-    write_stdout(format_plan(plan) + "\n")
+    write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n")
     return 0 if plan.fits() else 1
 
 

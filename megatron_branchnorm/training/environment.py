@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -168,6 +169,26 @@ def release_shm_workspace(rank: int) -> None:
     )
     with contextlib.suppress(FileNotFoundError):
         os.unlink(Path("/dev/shm") / name)
+
+
+# What the backends say when a peer is gone: gloo's TCP pair ("Connection reset by peer",
+# "Connection closed by peer", "Read error", "Broken pipe", a timed-out wait) and NCCL's
+# remote error (DistBackendError: "remote process exited or there was a network error").
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed|refused) by peer|Broken pipe|Read error|Timed out waiting|"
+    r"remote process exited|ncclRemoteError|network error",
+    re.IGNORECASE,
+)
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective or point-to-point failing because another rank (or its
+    node, or the network to it) is gone, rather than a bug of this rank."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    gloo_or_nccl = "gloo" in text or "NCCL" in text or isinstance(exc, dist.DistError)
+    return gloo_or_nccl and _PEER_GONE.search(text) is not None
 
 
 def destroy_process_group() -> None:

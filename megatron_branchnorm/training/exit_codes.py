@@ -8,5 +8,9 @@ BAD_INPUT = 2
 disk: one line on every rank (megatron_branchnorm.cli.run_main)."""
 NONFINITE_EXIT_CODE = 3
 """train.max_consecutive_skips consecutive non-finite updates (no save)."""
+PEER_LOST_EXIT_CODE = 4
+"""A collective failed because another rank, or its node, is gone (or the network between
+them failed): one line on each surviving rank, no save; a resubmitted job resumes from
+``SAVE_DIR/latest``, in another layout when it gets fewer ranks (docs/design.md §17)."""
 REQUEUE_EXIT_CODE = 75
 """A signal-triggered checkpoint was written (EX_TEMPFAIL): job scripts requeue on it."""

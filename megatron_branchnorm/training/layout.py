@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.partition import spec_entries
 from megatron_branchnorm.planner import plan_run, stage_counts
 
@@ -34,6 +36,18 @@ class SavedBatch:
     @property
     def per_update(self) -> int:
         return self.micro_batches * self.data_parallel
+
+
+def saved_batch(save_dir: Path) -> SavedBatch | None:
+    """The micro-batches per update of the checkpoint a run in ``save_dir`` resumes from (None
+    on a fresh start, or a checkpoint that does not say)."""
+    tag, _ = ckpt.resume_tag(save_dir)
+    if tag is None:
+        return None
+    info = ckpt.read_train_config(save_dir / tag)
+    micro = ckpt.saved_micro_batches(info)
+    dp = ckpt.saved_data_parallel(save_dir / tag, info)
+    return SavedBatch(micro, dp) if micro is not None and dp is not None else None
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,14 @@ from megatron_branchnorm.training.data import (
     resolve_vocab,
     vocab_identity,
 )
-from megatron_branchnorm.training.exit_codes import DONE, NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE
+from megatron_branchnorm.training.exit_codes import (
+    DONE,
+    NONFINITE_EXIT_CODE,
+    PEER_LOST_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+)
 from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW, install_fp32_grad_norm
-from megatron_branchnorm.training.layout import Device, SavedBatch, choose_layout
+from megatron_branchnorm.training.layout import Device, choose_layout, saved_batch
 from megatron_branchnorm.training.metrics import MetricsLog, Progress, UpdateFigures
 from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import (
@@ -144,14 +149,7 @@ class Trainer:
         (training/layout.py): a resumed run keeps its checkpoint's micro-batches per update,
         and a world size the configured stages do not fit takes pipeline.fallback_stages.
         Every rank decides the same: the device memory is the smallest rank's."""
-        saved = None
-        tag, _ = ckpt.resume_tag(self.save_dir)  # resume() reports its notes
-        if tag is not None:
-            info = ckpt.read_train_config(self.save_dir / tag)
-            micro = ckpt.saved_micro_batches(info)
-            dp = ckpt.saved_data_parallel(self.save_dir / tag, info)
-            if micro is not None and dp is not None:
-                saved = SavedBatch(micro, dp)
+        saved = saved_batch(self.save_dir)  # resume() reports the checkpoint's notes
         memory = collectives.to_host(collectives.all_reduce([env.device_memory_bytes()], op="min"))[
             0
         ]
@@ -389,6 +387,24 @@ def run(cfg: ExperimentConfig) -> int:
     except TrainError:
         env.destroy_process_group()
         raise
+    except RuntimeError as exc:
+        if not env.peer_lost(exc):
+            raise
+        # The others are failing alike or already gone: no collective, no save, no teardown.
+        try:
+            latest = ckpt.read_latest(Path(cfg.train.save_dir))
+        except (OSError, ckpt.CheckpointError):
+            latest = None
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"error: rank {rank}: a collective failed because another rank, or "
+            f"its node, is gone or stopped answering ({one_line(str(exc))[:200]}); "
+            "nothing was saved: resubmit the job to resume from "
+            + (f"{cfg.train.save_dir}/{latest}" if latest else "the start (no checkpoint yet)"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return PEER_LOST_EXIT_CODE
     env.destroy_process_group()
     sys.stdout.flush()
     return code

@@ -68,6 +68,7 @@ class RehearsalSpec:
     time_limit: str = "60"  # sbatch --time (above the launcher's signal lead)
     data: str = "synthetic"
     ds_config: str = "ds_configs/cpu_fp32.json"
+    save_interval: int = 0  # train.save_interval (the node-loss rehearsal resumes from one)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def extra_args(spec: RehearsalSpec) -> list[str]:
         *spec.overrides,
         f"train.max_steps={spec.steps}",
         "train.log_interval=1",
-        "train.save_interval=0",
+        f"train.save_interval={spec.save_interval}",
         "train.eval_interval=0",
     ]
 
@@ -126,6 +127,20 @@ def submit_command(spec: RehearsalSpec, work: Path) -> tuple[dict, list[str]]:
     return env, cmd
 
 
+def submit(cluster: Cluster, spec: RehearsalSpec, work: Path) -> tuple[str, str, Path]:
+    """Submit the launcher from the checkout: (job id, the command as a user would type it,
+    the job's log)."""
+    work.mkdir(parents=True, exist_ok=True)
+    env_extra, cmd = submit_command(spec, work)
+    command = " ".join(
+        [*(f"{k}={shlex.quote(v)}" for k, v in env_extra.items()), shlex.join(cmd[:1] + cmd[2:])]
+    )
+    out = cluster.run(*cmd, env=dict(cluster.env, **env_extra), cwd=CHECKOUT).stdout
+    job_id = out.strip().split(";")[0]
+    name = cluster.job_field(job_id, "JobName")
+    return job_id, command, work / f"{name}-{job_id}.out"
+
+
 def ranks_exited(log_text: str, code: int) -> set[int]:
     """Ranks that srun reported as exited with ``code`` ("tasks 0-3,5")."""
     ranks: set[int] = set()
@@ -151,8 +166,9 @@ def _mem_used_gb() -> float | None:
 class _Watch:
     """Polls the job log and metrics file; records when each event and step first appeared."""
 
-    def __init__(self, log: Path, metrics: Path) -> None:
+    def __init__(self, log: Path, metrics: Path, skip_rows: int = 0) -> None:
         self.log, self.metrics = log, metrics
+        self.skip = skip_rows  # training rows of an earlier job in the same run directory
         self.text = ""
         self.events: dict[str, float] = {}
         self.step_times: list[tuple[int, float, float | None]] = []  # step, seen, elapsed_s
@@ -162,7 +178,7 @@ class _Watch:
         if not self.metrics.is_file():
             return []
         lines = self.metrics.read_text().splitlines()
-        return [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
+        return [r for r in map(json.loads, filter(None, lines)) if "loss" in r][self.skip :]
 
     def poll(self) -> None:
         now = time.time()
@@ -201,17 +217,9 @@ def rehearse(
     """Submit ``spec.launcher``, signal it after ``spec.signal_after`` updates, wait for the
     requeued job to finish; returns the checks and figures. Cancels the job on timeout."""
     work = Path(work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    env_extra, cmd = submit_command(spec, work)
-    command = " ".join(
-        [*(f"{k}={shlex.quote(v)}" for k, v in env_extra.items()), shlex.join(cmd[:1] + cmd[2:])]
-    )
     mem_before = _mem_used_gb()
     t_submit = time.time()
-    job_id = cluster.run(*cmd, env=dict(cluster.env, **env_extra), cwd=CHECKOUT).stdout.strip()
-    job_id = job_id.split(";")[0]
-    name = cluster.job_field(job_id, "JobName")
-    log = work / f"{name}-{job_id}.out"
+    job_id, command, log = submit(cluster, spec, work)
     watch = _Watch(log, work / "run" / "metrics.jsonl")
     deadline = t_submit + timeout
 

@@ -123,12 +123,14 @@ def test_cli_prints_the_table_and_total(tmp_path):
     plan = plan_run(load_config("opus100_1000L"), 32, 40 * GB, config_name="opus100_1000L")
     assert format_plan(plan) == proc.stdout.strip()
     bad = subprocess.run(
-        [sys.executable, tool, "--config", "opus100_1000L", "--gpus", "12"],
+        [sys.executable, tool, "--config", "opus100_1000L", "--gpus", "12"]
+        + ["pipeline.fallback_stages="],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert bad.returncode == 2 and "pipeline.stages" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "12 x 1 (64 micro-batches)" in bad.stderr
     small_gpu = subprocess.run(
         [
             sys.executable,
@@ -167,3 +169,26 @@ def test_auto_recompute_is_chosen_per_stage_by_the_plan() -> None:
     assert not roomy.checkpointing
     fixed = load_config("opus100_1000L", ["pipeline.activation_checkpoint_interval=2"])
     assert auto_checkpoint_interval(fixed, 32, 15, 400 * GB) == 2  # a number is taken as set
+
+
+def test_cli_plans_the_layout_the_trainer_takes(monkeypatch, capsys, tmp_path):
+    """What the sbatch launchers run before the ranks start: on 24 GPUs the 1000L config's 16
+    stages do not divide; pipeline.fallback_stages=auto picks a layout (a 3-node requeue of the
+    4-node job must not die here), and a resumed run keeps its checkpoint's 128 micro-batches
+    per update (training/layout.py)."""
+    from megatron_branchnorm.commands import plan
+    from megatron_branchnorm.training.layout import SavedBatch
+
+    args = ["--config", "opus100_1000L", "--gpus", "24", f"train.save_dir={tmp_path}"]
+    assert plan.main(args) == 0  # a fresh start: the configured 64 micro-batches per replica
+    out = capsys.readouterr().out
+    assert out.startswith("layout: layout 1 stages x 24 data-parallel, 64 micro-batches")
+    assert "pipeline.stages=16 does not divide the world size 24" in out.splitlines()[0]
+    assert "= 1 stages x 24 data-parallel" in out
+    monkeypatch.setattr(plan, "saved_batch", lambda save_dir: SavedBatch(64, 2))
+    assert plan.main(args) == 0  # resumed from 16 x 2: 24 replicas cannot share 128
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("layout: layout 3 stages x 8 data-parallel, 16 micro-batches")
+    assert "128 micro-batches per update kept" in first
+    assert plan.main([*args[:3], "32", *args[4:]]) == 0  # the allocation it was planned for
+    assert not capsys.readouterr().out.startswith("layout:")

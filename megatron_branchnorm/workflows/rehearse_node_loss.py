@@ -1,0 +1,491 @@
+"""Rehearse the loss of a node on a local SLURM cluster (workflows/local_slurm.py; issue 32,
+docs/reliability.md): submit a shipped launcher unchanged at its node x rank topology with a
+save interval, SIGKILL every trainer rank on its last node once a checkpoint is complete and
+another update is logged (no signal the trainer could act on), drain that node as an
+administrator would, resubmit the same command on one node fewer with the same ``SAVE_DIR`` and
+``EXTRA_ARGS`` (no config edit), and check that the new job resumes from the last complete
+checkpoint in a layout that fits its ranks (``pipeline.fallback_stages``, training/layout.py)
+with the whole training state re-laid (training/checkpointer.py), and finishes.
+
+    spec = node_loss_spec("slurm/opus100_1000L.sh", nodes=4, ranks_per_node=8, stages=16)
+    result = rehearse_node_loss(cluster, spec, work)
+    print(format_node_loss(result))
+
+:func:`main` is the command line (``tools/rehearse_node_loss.py``, :data:`USAGE`);
+tests/slurm/test_node_loss.py a small case (2 nodes x 4 ranks, 8 stages -> 1 node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
+from megatron_branchnorm.workflows.local_slurm import (
+    FINAL_STATES,
+    Cluster,
+    ClusterError,
+    ensure_installed,
+    start_cluster,
+)
+from megatron_branchnorm.workflows.rehearse_slurm import (
+    NARROW,
+    RehearsalSpec,
+    _mem_used_gb,
+    _per_update,
+    _Watch,
+    launcher_stages,
+    ranks_exited,
+    submit,
+)
+
+# srun's report of tasks ended by a signal: "srun: error: mbn4: tasks 24-31: Killed"
+SRUN_KILLED = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): Killed")
+# the trainer's lines (training/checkpointer.py, training/layout.py); plan_memory's own
+# "layout: ..." line, printed by the launcher before the ranks start, is told apart
+RELAID = re.compile(r"resumed from (\S+) at step (\d+) in another layout \((.*?)\): ([^\n]*)")
+CHOSEN = re.compile(
+    r"(?<!layout: )layout (\d+) stages x (\d+) data-parallel, (\d+) micro-batches per replica"
+)
+CONFIG_LINE = re.compile(r"python: \S+; config: ([^\n]*)")
+WHOLE_STATE = "weights, fp32 master weights, Adam's moments and step re-laid per parameter"
+
+
+@dataclass
+class NodeLossResult:
+    """Both jobs (the one that lost a node, the resubmitted one), the checks and figures."""
+
+    jobs: list[str]
+    commands: list[str]
+    logs: list[Path]
+    states: list[str]
+    checks: list[tuple[str, bool, str]]
+    figures: dict[str, float | None]
+    layout: str  # e.g. "16 stages x 2 -> 3 stages x 8 data-parallel, 2 micro-batches each"
+
+    def failures(self) -> list[str]:
+        return [f"{name}: {seen}" for name, ok, seen in self.checks if not ok]
+
+
+def _ranges(ranks: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5" (srun's notation)."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(r)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out) or "none"
+
+
+def node_rank_pids(job_id: str, node_id: int, proc: Path = Path("/proc")) -> list[int]:
+    """The job's trainer processes on its ``node_id``-th node (``SLURM_NODEID``), found in
+    ``/proc`` (every local node daemon runs on this host)."""
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        env = dict(item.decode(errors="replace").split("=", 1) for item in environ if b"=" in item)
+        if (
+            env.get("SLURM_JOB_ID") == job_id
+            and env.get("SLURM_NODEID") == str(node_id)
+            and "SLURM_PROCID" in env
+            and b"megatron_branchnorm/train.py" in cmdline
+        ):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def node_loss_spec(
+    launcher: str = "slurm/opus100_1000L.sh",
+    nodes: int = 4,
+    ranks_per_node: int = 8,
+    stages: int = 16,
+    steps: int = 6,
+    save_interval: int = 2,
+    kill_after: int = 3,
+    micro_batches: int | None = 8,
+    overrides: list[str] | None = None,
+) -> RehearsalSpec:
+    """The launcher at its topology and depth, only the width shrunk (NARROW); SIGKILL once
+    ``kill_after`` updates are logged (``signal_after``), after a checkpoint at
+    ``save_interval``."""
+    extra = list(NARROW) + list(overrides or [])
+    if micro_batches is not None:
+        extra.append(f"train.micro_batches={micro_batches}")
+    return RehearsalSpec(
+        launcher,
+        nodes,
+        ranks_per_node,
+        stages,
+        steps,
+        kill_after,
+        overrides=extra,
+        save_interval=save_interval,
+    )
+
+
+def _set_node(cluster: Cluster, node: str, state: str, reason: str = "") -> None:
+    args = ["scontrol", "update", f"NodeName={node}", f"State={state}"]
+    cluster.run(*args, *([f"Reason={reason}"] if reason else []), check=False)
+
+
+def rehearse_node_loss(
+    cluster: Cluster,
+    spec: RehearsalSpec,
+    work: Path,
+    timeout: float = 3600.0,
+    stuck: float = 300.0,
+    poll: float = 0.5,
+    echo: bool = False,
+) -> NodeLossResult:
+    """Submit, SIGKILL the last node's ranks, resubmit on one node fewer, wait; returns the
+    checks and figures (module docstring). Job A is cancelled when its other ranks have not
+    ended ``stuck`` seconds after the kill (as SLURM would end a job whose node failed); both
+    jobs are cancelled on ``timeout``, and the drained node is resumed in any case."""
+    if spec.save_interval < 1 or spec.signal_after <= spec.save_interval:
+        raise ValueError("the kill must come after a checkpoint: signal_after > save_interval >= 1")
+    if spec.nodes < 2:
+        raise ValueError("losing a node needs at least 2")
+    work = Path(work).resolve()
+    run = work / "run"
+    mem_before = _mem_used_gb()
+    t_submit = time.time()
+    deadline = t_submit + timeout
+
+    def say(msg: str) -> None:
+        if echo:
+            print(f"[{time.time() - t_submit:7.1f}s] {msg}", flush=True)
+
+    job_a, command_a, log_a = submit(cluster, spec, work)
+    say(f"submitted job {job_a}: {command_a}")
+    watch_a = _Watch(log_a, run / "metrics.jsonl")
+    lost_node = ""
+    pids: list[int] = []
+    t_kill = t_a_end = None
+    kill_step = ckpt_step = None
+    rows_a: list[dict] = []
+    cancelled = False
+    state_a = state_b = ""
+    job_b, command_b, log_b = "", "", work / "none"
+    watch_b = None
+    try:
+        while time.time() < deadline:
+            watch_a.poll()
+            state_a = cluster.job_field(job_a, "JobState")
+            if state_a in FINAL_STATES:
+                break
+            complete, _ = ckpt.checkpoint_tags(run)
+            if t_kill is None and complete and len(watch_a.step_times) >= spec.signal_after:
+                lost_node = cluster.job_field(job_a, "NodeList")
+                lost_node = cluster.run("scontrol", "show", "hostnames", lost_node).stdout.split()
+                lost_node = lost_node[spec.nodes - 1]
+                pids = node_rank_pids(job_a, spec.nodes - 1)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                t_kill = time.time()
+                kill_step = watch_a.step_times[-1][0]
+                _set_node(cluster, lost_node, "DRAIN", "rehearsal: its ranks were killed")
+                say(
+                    f"update {kill_step} logged, checkpoint {complete[-1]} complete: SIGKILL to "
+                    f"the {len(pids)} ranks on {lost_node} (pids {pids}); {lost_node} drained"
+                )
+            if t_kill is not None and not cancelled and time.time() - t_kill > stuck:
+                cluster.run("scancel", job_a, check=False)
+                cancelled = True
+                say(f"job {job_a} still {state_a} {stuck:.0f}s after the kill: scancel {job_a}")
+            time.sleep(poll)
+        t_a_end = time.time()
+        watch_a.poll()
+        rows_a = watch_a.rows()  # before a resubmitted job appends to the same file
+        complete, _ = ckpt.checkpoint_tags(run)  # the last one complete is the one to resume
+        ckpt_step = ckpt.tag_step(complete[-1]) if complete else None
+        say(f"job {job_a} {state_a or 'timed out'}")
+
+        if t_kill is not None and state_a in FINAL_STATES:
+            spec_b = dataclasses.replace(spec, nodes=spec.nodes - 1)
+            job_b, command_b, log_b = submit(cluster, spec_b, work)
+            say(f"resubmitted as job {job_b}: {command_b}")
+            watch_b = _Watch(log_b, run / "metrics.jsonl", skip_rows=len(rows_a))
+            while time.time() < deadline:
+                watch_b.poll()
+                state_b = cluster.job_field(job_b, "JobState")
+                if state_b in FINAL_STATES:
+                    break
+                time.sleep(poll)
+            watch_b.poll()
+            say(f"job {job_b} {state_b or 'timed out'}")
+    finally:
+        for job, state in ((job_a, state_a), (job_b, state_b)):
+            if job and state not in FINAL_STATES:
+                cluster.run("scancel", job, check=False)
+        if lost_node:
+            _set_node(cluster, lost_node, "RESUME")
+    t_end = time.time()
+
+    text_a = watch_a.text
+    text_b = watch_b.text if watch_b is not None else ""
+    world_a = spec.nodes * spec.ranks_per_node
+    world_b = world_a - spec.ranks_per_node
+    survivors = ranks_exited(text_a, PEER_LOST_EXIT_CODE)
+    killed = {m.group(1) for m in SRUN_KILLED.finditer(text_a)}
+    relaid = RELAID.search(text_b)
+    chosen = CHOSEN.search(text_b)
+    resumed_step = int(relaid.group(2)) if relaid else None
+    rows_b = [s for s, _, _ in watch_b.step_times] if watch_b is not None else []
+    by_step = {r["step"] for r in rows_a} | set(rows_b)
+    complete, _ = ckpt.checkpoint_tags(run)
+    configs = [m.group(1) for m in CONFIG_LINE.finditer(text_a + text_b)]
+    layout = "-"
+    if chosen:
+        s, dp, micro = (int(g) for g in chosen.groups())
+        layout = (
+            f"{spec.stages} stages x {spec.nodes * spec.ranks_per_node // spec.stages} -> "
+            f"{s} stages x {dp} data-parallel, {micro} micro-batches per replica"
+        )
+    last_a = max((r["step"] for r in rows_a), default=None)
+    lost = None if last_a is None or resumed_step is None else last_a - resumed_step
+    topology_b = (
+        f"world {world_b} = {chosen.group(1)} stages x {chosen.group(2)} data-parallel"
+        if chosen
+        else "(no layout line)"
+    )
+    checks = [
+        (
+            f"SIGKILL to the {spec.ranks_per_node} ranks on the last node",
+            len(pids) == spec.ranks_per_node,
+            f"{len(pids)} pids on {lost_node or '-'}",
+        ),
+        (
+            "killed mid-run, after a complete checkpoint",
+            last_a is not None and ckpt_step is not None and ckpt_step <= last_a < spec.steps,
+            f"update {kill_step} logged at the kill, {last_a} in all; last complete "
+            f"checkpoint {ckpt_step}",
+        ),
+        ("srun reported the node's tasks killed", lost_node in killed, str(sorted(killed))),
+        (
+            f"the other ranks said why in one line and exited {PEER_LOST_EXIT_CODE}",
+            survivors == set(range(world_a - spec.ranks_per_node)) and "Traceback" not in text_a,
+            f"ranks {_ranges(survivors)} exited {PEER_LOST_EXIT_CODE}"
+            + ("; a traceback in the log" if "Traceback" in text_a else ""),
+        ),
+        (
+            "the job that lost a node ended without completing",
+            state_a in FINAL_STATES and state_a != "COMPLETED",
+            f"{state_a}{' (scancel)' if cancelled else ''}",
+        ),
+        (
+            f"resubmitted on {spec.nodes - 1} nodes with the same config and overrides",
+            len(configs) == 2
+            and configs[0] == configs[1]
+            and f"{spec.nodes - 1} node(s) x {spec.ranks_per_node} rank(s)" in text_b,
+            f"{len(configs)} config lines",
+        ),
+        (
+            "plan_memory planned the fallback layout before the ranks started",
+            "layout: layout" in text_b and "the configuration is invalid" not in text_b,
+            "",
+        ),
+        (f"a layout that fits {world_b} ranks", topology_b in text_b, topology_b),
+        (
+            "resumed from the last complete checkpoint in another layout",
+            resumed_step is not None and resumed_step == ckpt_step,
+            relaid.group(0)[:160] if relaid else "no 'in another layout' line",
+        ),
+        (
+            "with the whole training state",
+            relaid is not None and WHOLE_STATE in relaid.group(4),
+            "",
+        ),
+        (
+            "no optimizer state started afresh",
+            "afresh" not in text_b and "start fresh" not in text_b,
+            "",
+        ),
+        (
+            f"steps lost at most the save interval ({spec.save_interval})",
+            lost is not None and 0 <= lost <= spec.save_interval,
+            f"{lost}",
+        ),
+        (
+            "the resubmitted job completed",
+            state_b == "COMPLETED" and cluster.job_field(job_b, "ExitCode") == "0:0",
+            state_b,
+        ),
+        (
+            "metrics: the resubmitted job logged each step after the checkpoint once",
+            resumed_step is not None and rows_b == list(range(resumed_step + 1, spec.steps + 1)),
+            str(rows_b),
+        ),
+        (
+            "metrics: every step present",
+            by_step == set(range(1, spec.steps + 1)),
+            str(sorted(by_step)),
+        ),
+        (
+            "the last checkpoint is the last step's",
+            bool(complete) and ckpt.tag_step(complete[-1]) == spec.steps,
+            str(complete),
+        ),
+    ]
+
+    def since(ta: float | None, tb: float | None) -> float | None:
+        return None if ta is None or tb is None else tb - ta
+
+    ev_b = watch_b.events if watch_b is not None else {}
+    first_b = watch_b.step_times[0][1] if watch_b is not None and watch_b.step_times else None
+    first_a = watch_a.step_times[0][1] if watch_a.step_times else None
+    figures = {
+        "submit to first update, s": since(t_submit, first_a),
+        f"time per update, {spec.nodes} nodes, s": _per_update(watch_a.step_times),
+        "kill to the job's end, s": since(t_kill, t_a_end),
+        "resubmit to job start, s": since(t_a_end, ev_b.get("start")),
+        "job start to resumed, s": since(ev_b.get("start"), ev_b.get("resumed")),
+        "job start to first update, s": since(ev_b.get("start"), first_b),
+        f"time per update, {spec.nodes - 1} nodes, s": (
+            _per_update(watch_b.step_times) if watch_b is not None else None
+        ),
+        "updates redone (logged after the checkpoint, before the kill)": lost,
+        "kill to the first new update, s": since(t_kill, first_b),
+        "total (submit to completed), s": t_end - t_submit,
+        "host memory in use at peak, above idle, GB": (
+            max(w.mem_peak for w in (watch_a, watch_b) if w is not None and w.mem_peak) - mem_before
+            if mem_before is not None and watch_a.mem_peak is not None
+            else None
+        ),
+    }
+    return NodeLossResult(
+        [job_a, job_b],
+        [command_a, command_b],
+        [log_a, log_b],
+        [state_a, state_b],
+        checks,
+        figures,
+        layout,
+    )
+
+
+def format_node_loss(result: NodeLossResult) -> str:
+    """The checks and figures as Markdown tables, the layout and both commands."""
+    lines = ["| check | ok | seen |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {'yes' if ok else 'NO'} | {s} |" for n, ok, s in result.checks]
+    lines += ["", "| figure | value |", "| --- | ---: |"]
+    for name, value in result.figures.items():
+        lines.append(f"| {name} | {'-' if value is None else f'{value:.1f}'} |")
+    lines += ["", f"layout: {result.layout}"]
+    for job, log, command in zip(result.jobs, result.logs, result.commands, strict=True):
+        lines += ["", f"job {job or '-'}, log {log}", command]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+USAGE = """Rehearse losing a node of a shipped sbatch launcher's job on a local CPU SLURM cluster:
+start K local nodes, submit the launcher unchanged (only the model's width shrunk) with a save
+interval, SIGKILL every rank on the last node after a checkpoint and one more update, drain the
+node, resubmit the same command on K-1 nodes (same SAVE_DIR, same EXTRA_ARGS: no config edit),
+and check that the new job resumes from the last complete checkpoint in a layout that fits its
+ranks, with the whole training state, and finishes. Prints the checks, the figures (steps lost,
+layout chosen, time) and both sbatch commands; exit 0 when every check passed.
+
+    python tools/rehearse_node_loss.py                      # opus100_1000L: 4 x 8 -> 3 x 8 ranks
+    python tools/rehearse_node_loss.py --launcher slurm/opus100_200L.sh --nodes 2
+    python tools/rehearse_node_loss.py --cluster /tmp/mbslurm   # a cluster already started
+
+The 1000-layer case needs ~10-13 GB of memory for its 32 ranks and about half an hour on 2
+cores: run it alone. Bad input or a cluster that does not start: one line ``error: ...``, exit 2.
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=USAGE.split("\n\n")[0],
+        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--launcher", default="slurm/opus100_1000L.sh")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6, help="train.max_steps")
+    parser.add_argument("--save-interval", type=int, default=2, help="train.save_interval")
+    parser.add_argument("--kill-after", type=int, default=3, help="updates logged before SIGKILL")
+    parser.add_argument(
+        "--micro-batches", type=int, default=8, help="train.micro_batches (0: the config's)"
+    )
+    parser.add_argument("--time", default="120", help="sbatch --time (above the signal lead)")
+    parser.add_argument("--timeout", type=float, default=5400.0, help="seconds for both jobs")
+    parser.add_argument("--work", type=Path, default=None, help="job logs and run directory")
+    parser.add_argument(
+        "--cluster", type=Path, default=None, help="use the cluster in this directory"
+    )
+    return parser.parse_args(argv)
+
+
+def _rehearse(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    spec = node_loss_spec(
+        args.launcher,
+        args.nodes,
+        args.ranks_per_node,
+        launcher_stages(args.launcher),
+        args.steps,
+        args.save_interval,
+        args.kill_after,
+        args.micro_batches or None,
+    )
+    spec.time_limit = args.time
+    if spec.nodes < 2 or spec.signal_after <= spec.save_interval or spec.save_interval < 1:
+        raise UserError(
+            "need --nodes >= 2 and --kill-after > --save-interval >= 1 (the kill must come "
+            "after a checkpoint)"
+        )
+    work = args.work or Path(tempfile.mkdtemp(prefix="node_loss_"))
+    own = args.cluster is None
+    if own:
+        reason = ensure_installed()
+        if reason is not None:
+            raise ClusterError(f"SLURM cannot be installed: {reason}")
+        cluster = start_cluster(work / "slurm", args.nodes, args.ranks_per_node)
+        if cluster.hosts_added:
+            print(f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}")
+    else:
+        cluster = Cluster.from_dir(args.cluster)
+    try:
+        result = rehearse_node_loss(cluster, spec, work / "job", timeout=args.timeout, echo=True)
+    finally:
+        if own:
+            cluster.stop()
+    print(format_node_loss(result))
+    for failure in result.failures():
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if result.failures() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tools/rehearse_node_loss.py``: exit 0 when every check passed, 1 when one failed, 2 on
+    bad input or a cluster that cannot start."""
+    return run_main(_rehearse, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
