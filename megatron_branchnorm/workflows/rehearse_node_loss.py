@@ -252,6 +252,12 @@ def rehearse_node_loss(
     resumed_step = int(relaid.group(2)) if relaid else None
     rows_b = [s for s, _, _ in watch_b.step_times] if watch_b is not None else []
     by_step = {r["step"] for r in rows_a} | set(rows_b)
+    hash_b = {r["step"]: r.get("ids_hash") for r in watch_b.rows()} if watch_b is not None else {}
+    redone = [  # updates the killed job logged after the checkpoint, done again
+        (r["step"], r.get("ids_hash"), hash_b.get(r["step"]))
+        for r in rows_a
+        if resumed_step is not None and r["step"] > resumed_step
+    ]
     complete, _ = ckpt.checkpoint_tags(run)
     configs = [m.group(1) for m in CONFIG_LINE.finditer(text_a + text_b)]
     layout = "-"
@@ -339,6 +345,12 @@ def rehearse_node_loss(
             "metrics: every step present",
             by_step == set(range(1, spec.steps + 1)),
             str(sorted(by_step)),
+        ),
+        (
+            "the redone updates read the same samples (ids_hash)",
+            all(a is not None and a == b for _, a, b in redone),
+            ", ".join(f"step {st}: {a} {'=' if a == b else '!='} {b}" for st, a, b in redone)
+            or "none redone",
         ),
         (
             "the last checkpoint is the last step's",
@@ -432,6 +444,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--micro-batches", type=int, default=8, help="train.micro_batches (0: the config's)"
     )
+    parser.add_argument(
+        "--ds-config",
+        default="ds_configs/cpu_fp32.json",
+        help="DS_CONFIG for the job (ds_configs/zero1_bf16.json: the 1000L config's own)",
+    )
     parser.add_argument("--time", default="120", help="sbatch --time (above the signal lead)")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds for both jobs")
     parser.add_argument("--work", type=Path, default=None, help="job logs and run directory")
@@ -454,6 +471,7 @@ def _rehearse(argv: list[str] | None) -> int:
         args.micro_batches or None,
     )
     spec.time_limit = args.time
+    spec.ds_config = args.ds_config
     if spec.nodes < 2 or spec.signal_after <= spec.save_interval or spec.save_interval < 1:
         raise UserError(
             "need --nodes >= 2 and --kill-after > --save-interval >= 1 (the kill must come "

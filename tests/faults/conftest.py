@@ -88,9 +88,11 @@ def hard_kills(tmp_path_factory) -> dict:
     out: dict = {"dir": run}
     procs = launch(run, overrides, base / "l1", fault="slow@0.3")
     out["first"] = kill_hard_when(procs, run, victim=0, min_rows=3)
+    out["first_survivor_log"] = (base / "l1" / "rank1.log").read_text()
     rows = len(records(run))
     procs = launch(run, overrides, base / "l2", fault="slow@0.3")
     out["last"] = kill_hard_when(procs, run, victim=1, min_rows=rows + 3)
+    out["last_survivor_log"] = (base / "l2" / "rank0.log").read_text()
     out["resumed_from"] = [
         line for line in (base / "l2" / "rank0.log").read_text().splitlines() if "resumed" in line
     ]

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_branchnorm.experiments.fault_inject import FAULT_EXIT_CODE
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 from tests.faults.common import assert_matches_reference
 from tests.faults.conftest import RESTARTED, SAVE_KILLS
 
@@ -36,7 +37,14 @@ def test_kill_9_of_one_rank_ends_every_rank(hard_kills, victim):
     seconds, codes = hard_kills[victim]
     assert seconds < EXIT_BOUND_S, seconds
     survivor = codes[1] if victim == "first" else codes[0]
-    assert survivor not in (0, None), codes
+    assert survivor == PEER_LOST_EXIT_CODE, codes
+    # one line that says what happened and where to resume from, not gloo's traceback
+    log = hard_kills[f"{victim}_survivor_log"]
+    assert "Traceback" not in log, log[-3000:]
+    lines = [x for x in log.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, log[-3000:]
+    assert "another rank, or its node, is gone or stopped answering" in lines[0]
+    assert "resubmit the job to resume from" in lines[0] and "global_step" in lines[0]
 
 
 def test_restart_after_kill_9assert_matches_reference(hard_kills, fault_harness):
