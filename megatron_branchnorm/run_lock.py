@@ -11,6 +11,8 @@ crashed run must not block the save_dir forever; a lock is taken over, with a wa
   SLURM has ended before starting this one), or
 - its host is this host and its pid is gone, or now belongs to another process (start time
   differs: pid reuse), or is this process (a trainer built earlier in it), or
+- its host is another host and SLURM says its job (not this one) has ended (``squeue``: a
+  node that died with rank 0 on it), or
 - its host is another host (we cannot see its processes) and its heartbeat is older than
   :data:`STALE_S` (a live holder touches it every :data:`HEARTBEAT_S`; on a shared file
   system mtimes come from the file server, so clock skew between nodes does not matter much
@@ -27,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -41,6 +45,19 @@ HEARTBEAT_S = 60.0
 """How often the holder touches the lock."""
 STALE_S = 15 * 60.0
 """A lock from another host untouched for this long belongs to a dead run."""
+
+
+SLURM_ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
+"""Job states (squeue's ``%T``) after which a job's ranks no longer run."""
 
 
 class LockError(UserError, RuntimeError):
@@ -103,9 +120,32 @@ def stale_reason(holder: dict, age_s: float, me: dict) -> str | None:
         if not isinstance(pid, int) or not _alive_here(pid, holder.get("pid_start")):
             return f"its process {pid} no longer runs on {me['host']}"
         return None
+    if job and me.get("slurm_job_id") and slurm_job_ended(job):
+        return f"its SLURM job {job} has ended (squeue)"
     if age_s > STALE_S:
         return f"its heartbeat is {age_s / 60:.0f} min old (> {STALE_S / 60:.0f} min)"
     return None
+
+
+def slurm_job_ended(job_id: str) -> bool:
+    """Whether SLURM says job ``job_id`` is no longer pending, running or completing: the
+    lock of a job whose node died (rank 0's among them) need not wait out :data:`STALE_S`
+    before the resubmitted job may start. False when squeue cannot tell (not installed, the
+    controller unreachable): then only the heartbeat decides."""
+    if not job_id.isdigit() or shutil.which("squeue") is None:
+        return False
+    try:
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if proc.returncode == 0:
+        return proc.stdout.strip() in ("", *SLURM_ENDED)
+    return "invalid job id" in proc.stderr.lower()  # purged from the controller
 
 
 class RunLock:

@@ -35,9 +35,6 @@ from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 from megatron_branchnorm.workflows.local_slurm import (
     FINAL_STATES,
     Cluster,
-    ClusterError,
-    ensure_installed,
-    start_cluster,
 )
 from megatron_branchnorm.workflows.rehearse_slurm import (
     NARROW,
@@ -46,7 +43,9 @@ from megatron_branchnorm.workflows.rehearse_slurm import (
     _per_update,
     _Watch,
     launcher_stages,
+    local_cluster,
     ranks_exited,
+    rehearsal_parser,
     submit,
 )
 
@@ -430,14 +429,8 @@ cores: run it alone. Bad input or a cluster that does not start: one line ``erro
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=USAGE.split("\n\n")[0],
-        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--launcher", default="slurm/opus100_1000L.sh")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--ranks-per-node", type=int, default=8)
+    """The command line (see :data:`USAGE`)."""
+    parser = rehearsal_parser(USAGE)
     parser.add_argument("--steps", type=int, default=6, help="train.max_steps")
     parser.add_argument("--save-interval", type=int, default=2, help="train.save_interval")
     parser.add_argument("--kill-after", type=int, default=3, help="updates logged before SIGKILL")
@@ -451,10 +444,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--time", default="120", help="sbatch --time (above the signal lead)")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds for both jobs")
-    parser.add_argument("--work", type=Path, default=None, help="job logs and run directory")
-    parser.add_argument(
-        "--cluster", type=Path, default=None, help="use the cluster in this directory"
-    )
     return parser.parse_args(argv)
 
 
@@ -478,21 +467,8 @@ def _rehearse(argv: list[str] | None) -> int:
             "after a checkpoint)"
         )
     work = args.work or Path(tempfile.mkdtemp(prefix="node_loss_"))
-    own = args.cluster is None
-    if own:
-        reason = ensure_installed()
-        if reason is not None:
-            raise ClusterError(f"SLURM cannot be installed: {reason}")
-        cluster = start_cluster(work / "slurm", args.nodes, args.ranks_per_node)
-        if cluster.hosts_added:
-            print(f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}")
-    else:
-        cluster = Cluster.from_dir(args.cluster)
-    try:
+    with local_cluster(args.cluster, work / "slurm", args.nodes, args.ranks_per_node) as cluster:
         result = rehearse_node_loss(cluster, spec, work / "job", timeout=args.timeout, echo=True)
-    finally:
-        if own:
-            cluster.stop()
     print(format_node_loss(result))
     for failure in result.failures():
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -16,12 +16,14 @@ tests/slurm/test_multinode.py a small case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,14 +375,7 @@ it alone. Bad input or a cluster that does not start: one line
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see :data:`USAGE`)."""
-    parser = argparse.ArgumentParser(
-        description=USAGE.split("\n\n")[0],
-        epilog="\n\n".join(USAGE.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--launcher", default="slurm/opus100_1000L.sh")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser = rehearsal_parser(USAGE)
     parser.add_argument("--steps", type=int, default=4, help="train.max_steps")
     parser.add_argument("--signal-after", type=int, default=2, help="updates before SIGUSR1")
     parser.add_argument(
@@ -388,11 +383,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--time", default="60", help="sbatch --time (above the signal lead)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the job")
-    parser.add_argument("--work", type=Path, default=None, help="job log and run directory")
+    return parser.parse_args(argv)
+
+
+def rehearsal_parser(usage: str) -> argparse.ArgumentParser:
+    """The options the rehearsals share: the launcher, its topology, where the job's files go
+    and which cluster runs it (``usage``: the first paragraph is the description)."""
+    parser = argparse.ArgumentParser(
+        description=usage.split("\n\n")[0],
+        epilog="\n\n".join(usage.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--launcher", default="slurm/opus100_1000L.sh")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=None, help="job logs and run directory")
     parser.add_argument(
         "--cluster", type=Path, default=None, help="use the cluster in this directory"
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def launcher_stages(launcher: str) -> int:
@@ -400,6 +409,25 @@ def launcher_stages(launcher: str) -> int:
     text = (CHECKOUT / launcher).read_text()
     name = re.search(r"CONFIG=\$\{CONFIG:-([\w./-]+)\}", text).group(1)
     return load_config(name).pipeline.stages
+
+
+@contextlib.contextmanager
+def local_cluster(existing: Path | None, root: Path, nodes: int, cpus: int) -> Iterator[Cluster]:
+    """The cluster already started in ``existing``, or one of ``nodes`` x ``cpus`` started in
+    ``root`` (installing SLURM when missing) and stopped at the end."""
+    if existing is not None:
+        yield Cluster.from_dir(existing)
+        return
+    reason = ensure_installed()
+    if reason is not None:
+        raise ClusterError(f"SLURM cannot be installed: {reason}")
+    cluster = start_cluster(root, nodes, cpus)
+    if cluster.hosts_added:
+        print(f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def _rehearse(argv: list[str] | None) -> int:
@@ -416,21 +444,8 @@ def _rehearse(argv: list[str] | None) -> int:
     )
     spec.time_limit = args.time
     work = args.work or Path(tempfile.mkdtemp(prefix="rehearse_"))
-    own = args.cluster is None
-    if own:
-        reason = ensure_installed()
-        if reason is not None:
-            raise ClusterError(f"SLURM cannot be installed: {reason}")
-        cluster = start_cluster(work / "slurm", args.nodes, args.ranks_per_node)
-        if cluster.hosts_added:
-            print(f"added to /etc/hosts as 127.0.0.1: {' '.join(cluster.hosts_added)}")
-    else:
-        cluster = Cluster.from_dir(args.cluster)
-    try:
+    with local_cluster(args.cluster, work / "slurm", args.nodes, args.ranks_per_node) as cluster:
         result = rehearse(cluster, spec, work / "job", timeout=args.timeout, echo=True)
-    finally:
-        if own:
-            cluster.stop()
     print(format_result(result))
     failures = result.failures()
     for failure in failures:

@@ -240,6 +240,38 @@ def test_lock_of_a_requeued_slurm_job_is_taken_over(tmp_path, monkeypatch):
     lock.release()
 
 
+@pytest.mark.parametrize(
+    "squeue, taken",
+    [
+        ('echo RUNNING', False),
+        ('echo NODE_FAIL', True),
+        ('true', True),  # no longer listed
+        ('echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1', True),
+        ('echo "Unable to contact slurm controller" >&2; exit 1', False),
+    ],
+)
+def test_lock_of_an_ended_slurm_job_on_another_host(tmp_path, monkeypatch, squeue, taken):
+    """A node lost with rank 0 on it leaves a fresh lock from another host; the resubmitted
+    job (another SLURM job id) takes it over once squeue says that job has ended, instead of
+    waiting out the heartbeat (run_lock.slurm_job_ended)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{squeue}\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    save_dir = tmp_path / "run"
+    write_lock(save_dir, host="node-elsewhere", pid=1, slurm_job_id="4242")
+    lock = RunLock(save_dir)
+    if taken:
+        lock.acquire()
+        assert "its SLURM job 4242 has ended (squeue)" in lock.warnings[0]
+        lock.release()
+    else:
+        with pytest.raises(LockError, match="SLURM job 4242"):
+            lock.acquire()
+
+
 def test_release_leaves_another_runs_lock(tmp_path):
     lock = RunLock(tmp_path)
     lock.acquire()
