@@ -243,9 +243,9 @@ def test_lock_of_a_requeued_slurm_job_is_taken_over(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "squeue, taken",
     [
-        ('echo RUNNING', False),
-        ('echo NODE_FAIL', True),
-        ('true', True),  # no longer listed
+        ("echo RUNNING", False),
+        ("echo NODE_FAIL", True),
+        ("true", True),  # no longer listed
         ('echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1', True),
         ('echo "Unable to contact slurm controller" >&2; exit 1', False),
     ],
