@@ -90,10 +90,10 @@ def _ranges(ranks: set[int]) -> str:
     return ",".join(out) or "none"
 
 
-def node_rank_pids(job_id: str, node_id: int, proc: Path = Path("/proc")) -> list[int]:
+def node_ranks(job_id: str, node_id: int, proc: Path = Path("/proc")) -> tuple[list[int], str]:
     """The job's trainer processes on its ``node_id``-th node (``SLURM_NODEID``), found in
-    ``/proc`` (every local node daemon runs on this host)."""
-    pids = []
+    ``/proc`` (every local node daemon runs on this host), and that node's name."""
+    pids, node = [], ""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -110,7 +110,8 @@ def node_rank_pids(job_id: str, node_id: int, proc: Path = Path("/proc")) -> lis
             and b"megatron_branchnorm/train.py" in cmdline
         ):
             pids.append(int(entry.name))
-    return sorted(pids)
+            node = env.get("SLURMD_NODENAME", node)
+    return sorted(pids), node
 
 
 def node_loss_spec(
@@ -189,24 +190,23 @@ def rehearse_node_loss(
     try:
         while time.time() < deadline:
             watch_a.poll()
-            state_a = cluster.job_field(job_a, "JobState")
-            if state_a in FINAL_STATES:
-                break
             complete, _ = ckpt.checkpoint_tags(run)
             if t_kill is None and complete and len(watch_a.step_times) >= spec.signal_after:
-                lost_node = cluster.job_field(job_a, "NodeList")
-                lost_node = cluster.run("scontrol", "show", "hostnames", lost_node).stdout.split()
-                lost_node = lost_node[spec.nodes - 1]
-                pids = node_rank_pids(job_a, spec.nodes - 1)
+                # local reads only until the kill: updates of a small model take 0.2 s
+                pids, lost_node = node_ranks(job_a, spec.nodes - 1)
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)
                 t_kill = time.time()
                 kill_step = watch_a.step_times[-1][0]
-                _set_node(cluster, lost_node, "DRAIN", "rehearsal: its ranks were killed")
+                if lost_node:
+                    _set_node(cluster, lost_node, "DRAIN", "rehearsal: its ranks were killed")
                 say(
                     f"update {kill_step} logged, checkpoint {complete[-1]} complete: SIGKILL to "
                     f"the {len(pids)} ranks on {lost_node} (pids {pids}); {lost_node} drained"
                 )
+            state_a = cluster.job_field(job_a, "JobState")
+            if state_a in FINAL_STATES:
+                break
             if t_kill is not None and not cancelled and time.time() - t_kill > stuck:
                 cluster.run("scancel", job_a, check=False)
                 cancelled = True

@@ -24,7 +24,7 @@ SPEC = node_loss_spec(
     nodes=2,
     ranks_per_node=4,
     stages=8,
-    steps=10,  # updates take ~0.3 s: room for the kill to land mid-run
+    steps=30,  # updates take 0.2-0.3 s: room for the kill to land mid-run under load
     save_interval=2,
     kill_after=3,
     micro_batches=4,
@@ -34,7 +34,9 @@ SPEC.time_limit = "30"  # above the launcher's USR1@600 lead
 
 
 def test_a_node_lost_resumes_on_fewer_nodes_in_another_layout(slurm_cluster, tmp_path):
-    result = rehearse_node_loss(slurm_cluster, SPEC, tmp_path / "job", timeout=900, stuck=120)
+    result = rehearse_node_loss(
+        slurm_cluster, SPEC, tmp_path / "job", timeout=900, stuck=120, poll=0.2
+    )
     report = format_node_loss(result)
     print(report)  # the figures, shown with pytest -s
     logs = "\n".join(p.read_text()[-3000:] for p in result.logs if p.is_file())
