@@ -527,25 +527,25 @@ def _read_bf16_stage(
                     continue
                 sources = {"master": flat, **{k: adam[k] for k in ADAM_STATE}}
                 for name, addr in mapping.items():
-                    if keys is not None and _placed(name, path, param_key) not in keys:
+                    key = _placed(name, path, param_key)
+                    if keys is not None and key not in keys:
                         continue
-                    into = pieces.setdefault(name, {k: [] for k in sources})
+                    into = pieces.setdefault(key, {k: [] for k in sources})
                     for k, src in sources.items():
                         into[k].append(src.narrow(0, addr.start, addr.numel))
-                    steps[name] = adam["step"]
+                    steps[key] = adam["step"]
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
             raise CheckpointError(
                 f"{path}: cannot read bf16 optimizer state: {one_line(exc)}"
             ) from None
-    first = files[min(files)]
     return {
-        _placed(name, first, param_key): {
-            "step": steps[name].float().clone(),
+        key: {
+            "step": steps[key].float().clone(),
             **{k: torch.cat(v).float() for k, v in parts.items()},
         }
-        for name, parts in pieces.items()
+        for key, parts in pieces.items()
     }
 
 

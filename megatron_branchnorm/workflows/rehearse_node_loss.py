@@ -37,11 +37,11 @@ from megatron_branchnorm.workflows.local_slurm import (
     Cluster,
 )
 from megatron_branchnorm.workflows.rehearse_slurm import (
-    NARROW,
     RehearsalSpec,
     _mem_used_gb,
     _per_update,
     _Watch,
+    default_spec,
     launcher_stages,
     local_cluster,
     ranks_exited,
@@ -75,19 +75,6 @@ class NodeLossResult:
 
     def failures(self) -> list[str]:
         return [f"{name}: {seen}" for name, ok, seen in self.checks if not ok]
-
-
-def _ranges(ranks: set[int]) -> str:
-    """{0, 1, 2, 5} -> "0-2,5" (srun's notation)."""
-    out, run = [], []
-    for r in sorted(ranks):
-        if run and r != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(r)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out) or "none"
 
 
 def node_ranks(job_id: str, node_id: int, proc: Path = Path("/proc")) -> tuple[list[int], str]:
@@ -125,22 +112,19 @@ def node_loss_spec(
     micro_batches: int | None = 8,
     overrides: list[str] | None = None,
 ) -> RehearsalSpec:
-    """The launcher at its topology and depth, only the width shrunk (NARROW); SIGKILL once
-    ``kill_after`` updates are logged (``signal_after``), after a checkpoint at
-    ``save_interval``."""
-    extra = list(NARROW) + list(overrides or [])
-    if micro_batches is not None:
-        extra.append(f"train.micro_batches={micro_batches}")
-    return RehearsalSpec(
-        launcher,
-        nodes,
-        ranks_per_node,
-        stages,
-        steps,
-        kill_after,
-        overrides=extra,
-        save_interval=save_interval,
+    """The launcher at its topology and depth, only the width shrunk (rehearse_slurm's
+    :func:`default_spec`); SIGKILL once ``kill_after`` updates are logged (``signal_after``),
+    after a checkpoint at ``save_interval``. UserError when the kill could not come after a
+    checkpoint, or there is no node to lose."""
+    if nodes < 2 or kill_after <= save_interval or save_interval < 1:
+        raise UserError(
+            "need --nodes >= 2 and --kill-after > --save-interval >= 1 (the kill must come "
+            "after a checkpoint)"
+        )
+    spec = default_spec(
+        launcher, nodes, ranks_per_node, stages, steps, kill_after, micro_batches, overrides
     )
+    return dataclasses.replace(spec, save_interval=save_interval)
 
 
 def _set_node(cluster: Cluster, node: str, state: str, reason: str = "") -> None:
@@ -161,10 +145,6 @@ def rehearse_node_loss(
     checks and figures (module docstring). Job A is cancelled when its other ranks have not
     ended ``stuck`` seconds after the kill (as SLURM would end a job whose node failed); both
     jobs are cancelled on ``timeout``, and the drained node is resumed in any case."""
-    if spec.save_interval < 1 or spec.signal_after <= spec.save_interval:
-        raise ValueError("the kill must come after a checkpoint: signal_after > save_interval >= 1")
-    if spec.nodes < 2:
-        raise ValueError("losing a node needs at least 2")
     work = Path(work).resolve()
     run = work / "run"
     mem_before = _mem_used_gb()
@@ -289,7 +269,7 @@ def rehearse_node_loss(
         (
             f"the other ranks said why in one line and exited {PEER_LOST_EXIT_CODE}",
             survivors == set(range(world_a - spec.ranks_per_node)) and "Traceback" not in text_a,
-            f"ranks {_ranges(survivors)} exited {PEER_LOST_EXIT_CODE}"
+            f"ranks {sorted(survivors)} exited {PEER_LOST_EXIT_CODE}"
             + ("; a traceback in the log" if "Traceback" in text_a else ""),
         ),
         (
@@ -461,11 +441,6 @@ def _rehearse(argv: list[str] | None) -> int:
     )
     spec.time_limit = args.time
     spec.ds_config = args.ds_config
-    if spec.nodes < 2 or spec.signal_after <= spec.save_interval or spec.save_interval < 1:
-        raise UserError(
-            "need --nodes >= 2 and --kill-after > --save-interval >= 1 (the kill must come "
-            "after a checkpoint)"
-        )
     work = args.work or Path(tempfile.mkdtemp(prefix="node_loss_"))
     with local_cluster(args.cluster, work / "slurm", args.nodes, args.ranks_per_node) as cluster:
         result = rehearse_node_loss(cluster, spec, work / "job", timeout=args.timeout, echo=True)

@@ -341,9 +341,11 @@ def default_spec(
     steps: int = 4,
     signal_after: int = 2,
     micro_batches: int | None = None,
+    overrides: list[str] | None = None,
 ) -> RehearsalSpec:
-    """The launcher at its real topology and depth, only the width shrunk (NARROW)."""
-    overrides = list(NARROW)
+    """The launcher at its real topology and depth, only the width shrunk (NARROW; more
+    ``overrides`` after it)."""
+    overrides = list(NARROW) + list(overrides or [])
     if micro_batches is not None:
         overrides.append(f"train.micro_batches={micro_batches}")
     return RehearsalSpec(
