@@ -18,6 +18,7 @@ tests/slurm/test_node_loss.py a small case (2 nodes x 4 ranks, 8 stages -> 1 nod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -77,10 +78,10 @@ class NodeLossResult:
         return [f"{name}: {seen}" for name, ok, seen in self.checks if not ok]
 
 
-def node_ranks(job_id: str, node_id: int, proc: Path = Path("/proc")) -> tuple[list[int], str]:
+def node_ranks(job_id: str, node_id: int, proc: Path = Path("/proc")) -> tuple[dict[int, int], str]:
     """The job's trainer processes on its ``node_id``-th node (``SLURM_NODEID``), found in
-    ``/proc`` (every local node daemon runs on this host), and that node's name."""
-    pids, node = [], ""
+    ``/proc`` (every local node daemon runs on this host): {pid: rank}, and that node's name."""
+    ranks, node = {}, ""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -93,12 +94,32 @@ def node_ranks(job_id: str, node_id: int, proc: Path = Path("/proc")) -> tuple[l
         if (
             env.get("SLURM_JOB_ID") == job_id
             and env.get("SLURM_NODEID") == str(node_id)
-            and "SLURM_PROCID" in env
+            and env.get("SLURM_PROCID", "").isdigit()
             and b"megatron_branchnorm/train.py" in cmdline
         ):
-            pids.append(int(entry.name))
+            ranks[int(entry.name)] = int(env["SLURM_PROCID"])
             node = env.get("SLURMD_NODENAME", node)
-    return sorted(pids), node
+    return ranks, node
+
+
+def kill_node(job_id: str, node_id: int, settle: float = 10.0) -> tuple[dict[int, int], str]:
+    """SIGKILL every trainer process of the job on that node, scanning ``/proc`` again until
+    none is left (a rank one scan missed: seen once in 32, the 1000L rehearsal's rank 26);
+    returns {pid: rank} of those killed and the node's name."""
+    killed: dict[int, int] = {}
+    node = ""
+    deadline = time.time() + settle
+    while time.time() < deadline:
+        found, name = node_ranks(job_id, node_id)
+        node = name or node
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(found)
+        time.sleep(0.1)
+    return killed, node
 
 
 def node_loss_spec(
@@ -159,7 +180,7 @@ def rehearse_node_loss(
     say(f"submitted job {job_a}: {command_a}")
     watch_a = _Watch(log_a, run / "metrics.jsonl")
     lost_node = ""
-    pids: list[int] = []
+    killed: dict[int, int] = {}  # pid: rank
     t_kill = t_a_end = None
     kill_step = ckpt_step = None
     rows_a: list[dict] = []
@@ -173,16 +194,15 @@ def rehearse_node_loss(
             complete, _ = ckpt.checkpoint_tags(run)
             if t_kill is None and complete and len(watch_a.step_times) >= spec.signal_after:
                 # local reads only until the kill: updates of a small model take 0.2 s
-                pids, lost_node = node_ranks(job_a, spec.nodes - 1)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
+                killed, lost_node = kill_node(job_a, spec.nodes - 1)
                 t_kill = time.time()
                 kill_step = watch_a.step_times[-1][0]
                 if lost_node:
                     _set_node(cluster, lost_node, "DRAIN", "rehearsal: its ranks were killed")
                 say(
                     f"update {kill_step} logged, checkpoint {complete[-1]} complete: SIGKILL to "
-                    f"the {len(pids)} ranks on {lost_node} (pids {pids}); {lost_node} drained"
+                    f"ranks {sorted(set(killed.values()))} on {lost_node} (pids "
+                    f"{sorted(killed)}); {lost_node} drained"
                 )
             state_a = cluster.job_field(job_a, "JobState")
             if state_a in FINAL_STATES:
@@ -225,7 +245,7 @@ def rehearse_node_loss(
     world_a = spec.nodes * spec.ranks_per_node
     world_b = world_a - spec.ranks_per_node
     survivors = ranks_exited(text_a, PEER_LOST_EXIT_CODE)
-    killed = {m.group(1) for m in SRUN_KILLED.finditer(text_a)}
+    srun_killed = {m.group(1) for m in SRUN_KILLED.finditer(text_a)}
     relaid = RELAID.search(text_b)
     chosen = CHOSEN.search(text_b)
     resumed_step = int(relaid.group(2)) if relaid else None
@@ -256,8 +276,8 @@ def rehearse_node_loss(
     checks = [
         (
             f"SIGKILL to the {spec.ranks_per_node} ranks on the last node",
-            len(pids) == spec.ranks_per_node,
-            f"{len(pids)} pids on {lost_node or '-'}",
+            set(killed.values()) == set(range(world_a - spec.ranks_per_node, world_a)),
+            f"ranks {sorted(set(killed.values()))} ({len(killed)} pids) on {lost_node or '-'}",
         ),
         (
             "killed mid-run, after a complete checkpoint",
@@ -265,7 +285,11 @@ def rehearse_node_loss(
             f"update {kill_step} logged at the kill, {last_a} in all; last complete "
             f"checkpoint {ckpt_step}",
         ),
-        ("srun reported the node's tasks killed", lost_node in killed, str(sorted(killed))),
+        (
+            "srun reported the node's tasks killed",
+            lost_node in srun_killed,
+            str(sorted(srun_killed)),
+        ),
         (
             f"the other ranks said why in one line and exited {PEER_LOST_EXIT_CODE}",
             survivors == set(range(world_a - spec.ranks_per_node)) and "Traceback" not in text_a,
