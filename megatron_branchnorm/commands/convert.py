@@ -7,7 +7,8 @@
 
 Reads a checkpoint written with any number of pipeline stages, verifies its checksums, builds
 the flat model, folds the residual scheme into a plain Post-LN model where it can (Pre-LN stays
-Pre-LN) and writes model.safetensors, config.yaml, spm.model and export.json. ``--format hf``
+Pre-LN) and writes model.safetensors, config.yaml, spm.model and export.json (which records the
+directions the run's DATA_DIR trained, for translate.py). ``--format hf``
 writes a Hugging Face MarianMTModel directory instead (checked by loading it back).
 """
 
@@ -89,6 +90,7 @@ def _convert(argv: list[str] | None) -> int:
         load_pipeline_checkpoint,
         repartition_checkpoint,
         resolve_tags,
+        trained_directions,
     )
     from megatron_branchnorm.inference.export import prepare_export_dir, save_export
 
@@ -119,9 +121,12 @@ def _convert(argv: list[str] | None) -> int:
         prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
     model, meta = load_pipeline_checkpoint(save_dir, tags[-1], args.average_last, args.average_best)
     vocab = checkpoint_vocabulary(save_dir, meta["averaged"] or [meta["tag"]])
-    for warning in vocab.warnings:
+    directions, unknown = trained_directions(save_dir / meta["tag"])
+    for warning in [*vocab.warnings, *([unknown] if unknown else [])]:
         print(f"warning: {warning}", file=sys.stderr)
     meta["languages"] = vocab.languages
+    if directions is not None:
+        meta["directions"] = directions  # translate refuses others without --zero-shot
     meta["vocab"] = vocab.provenance()
     if args.format == "native":
         out = save_export(model, args.output, vocab.spm_path, meta, overwrite=args.overwrite)

@@ -9,8 +9,13 @@ By default BLEU is computed as the BranchNorm paper reports it for the task (--t
 the task the DATA_DIR looks like, megatron_branchnorm/paper.py): tokenized multi-bleu style
 with compound splitting for WMT17 En-De (a DATA_DIR of en-de alone), tokenized for WMT14 En-Fr
 (en-fr), tokenized and lowercased for IWSLT14 De-En (de-en), case-insensitive sacreBLEU for
-MultiUN (its six languages), cased sacreBLEU for OPUS-100 and any other corpus. The first line
-printed (and "scoring" in --json) says which and why. Any of --bleu, --lowercase, --tokenize,
+MultiUN (its six languages), cased sacreBLEU for OPUS-100 and any other corpus. A task's
+scoring applies to its own direction only: the other directions of the DATA_DIR get the default
+cased sacreBLEU, and --task auto leaves a WMT/IWSLT-looking DATA_DIR whose test set was held out
+of its training lines (not the task's test set) to the default. The first lines printed (and
+"scoring" in --json) say which scoring, why, and what was scored. Directions the model was not
+trained on (export.json ``directions``) are evaluated too, marked zero-shot, and averaged
+apart. Any of --bleu, --lowercase, --tokenize,
 --compound-split sets the scoring by hand instead: --tokenize picks sacreBLEU's tokenizer
 (default: by target language: zh; ja-mecab or char; 13a otherwise). The signature of every
 score is printed.
@@ -19,7 +24,6 @@ score is printed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -71,6 +75,7 @@ def _evaluate(argv: list[str] | None) -> int:
         EvaluationError,
         check_outputs,
         choose_scoring,
+        describe_scoring,
         evaluate,
         format_table,
         pivot_language,
@@ -86,7 +91,7 @@ def _evaluate(argv: list[str] | None) -> int:
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
     )
     opts.check()
-    scoring, chosen = choose_scoring(args, args.data)
+    scoring, chosen = choose_scoring(args, args.data, args.split)
     scoring.check()  # before any translation: an unknown or missing tokenizer is one line
     wanted = None
     if args.directions is not None:
@@ -97,7 +102,7 @@ def _evaluate(argv: list[str] | None) -> int:
     # Before any work: no output may overwrite the data, its references or the export.
     check_outputs(args.json, args.hyp_dir, directions, args.data, args.model)
     translator = Translator.from_export(args.model)
-    for d in directions:
+    for d in directions:  # untrained directions are evaluated too, marked zero-shot
         translator.check_languages(d.src_lang, d.tgt_lang)
 
     def progress(name: str, total: int):
@@ -118,8 +123,9 @@ def _evaluate(argv: list[str] | None) -> int:
         pivot_language(args.data),
         progress,
         scoring,
+        chosen["task_directions"] or None,
     )
-    report["scoring"] = {**chosen, **dataclasses.asdict(scoring)}
+    report["scoring"] = describe_scoring(chosen, scoring, directions, args.split, args.data)
     if args.json:
         write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     write_stdout(format_table(report) + "\n")

@@ -7,6 +7,8 @@ key/value cache, length penalty as in fairseq, SentencePiece detokenisation.
 
 One output line per input line (an empty input line gives an empty output line). With
 ``--nbest K`` (K > 1) each input line gives K lines ``index<TAB>rank<TAB>score<TAB>text``.
+A direction the model was not trained on (export.json ``directions``; a language into itself
+when they are not recorded) is refused unless ``--zero-shot`` is given.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tgt-lang", required=True, help="target language code, e.g. en")
     p.add_argument("--input", default=None, help="input text file (default: stdin)")
     p.add_argument("--output", default=None, help="output file (default: stdout)")
+    p.add_argument(
+        "--zero-shot",
+        action="store_true",
+        help="translate a direction the model was not trained on (both languages must have a "
+        "tag in its vocabulary); without it such a direction is refused",
+    )
     add_search_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -71,7 +79,7 @@ def _translate(argv: list[str] | None) -> int:
     )
     opts.check()  # --nbest <= --beam (each flag's own range is checked by argparse)
     translator = Translator.from_export(args.model)
-    translator.check_languages(args.src_lang, args.tgt_lang)
+    translator.check_direction(args.src_lang, args.tgt_lang, args.zero_shot)
     lines = read_lines(args.input)
     bar = None
     if from_file and not args.quiet:

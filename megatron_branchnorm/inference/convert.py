@@ -123,6 +123,33 @@ def dataset_of(tag_dir: Path) -> str | None:
     return data if isinstance(data, str) and data and data != "synthetic" else None
 
 
+def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
+    """(the directions a checkpoint was trained on, or None; a one-line warning when they
+    cannot be known), for export.json ``directions``: the ``directions`` of its DATA_DIR's
+    manifest, when that manifest is still the one the checkpoint recorded
+    (``data_manifest_sha256`` of train_config.json). None without a warning for synthetic
+    data (no text to translate) and for a checkpoint that recorded no manifest (older ones:
+    nothing to check the DATA_DIR against)."""
+    data = dataset_of(tag_dir)
+    recorded = ckpt.read_train_config(tag_dir).get("data_manifest_sha256")
+    if data is None or recorded is None:
+        return None, None
+    unknown = "the export records no trained directions (translate refuses only a language "
+    unknown += "into itself without --zero-shot)"
+    try:
+        manifest = read_data_manifest(data)
+    except UserError as exc:
+        return None, f"{one_line(str(exc), 300)}: {unknown}"
+    if recorded != manifest.sha256:
+        why = f"was trained on another version of {manifest.path} (its sha256 differs)"
+        return None, f"{tag_dir} {why}: {unknown}"
+    dirs = manifest.raw.get("directions")
+    ok = isinstance(dirs, list) and dirs and all(isinstance(d, str) for d in dirs)
+    if not ok or not all(len(d.split("-")) == 2 and all(d.split("-")) for d in dirs):
+        return None, f"{manifest.path}: key directions is not a list of src-tgt: {unknown}"
+    return sorted(dirs), None
+
+
 def read_checkpoint(
     tag_dir: Path, verify: bool = True, indices: set[int] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:

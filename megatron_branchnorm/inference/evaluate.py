@@ -14,15 +14,18 @@ DATA_DIR (``manifest.json``: ``splits.<split>.references.<src>-<tgt>`` = ``{"src
      "averages": {"x-en": 31.2, "en-x": ..., "all": ...}}
 
 ``x-en`` averages the directions into the pivot language (English), ``en-x`` those out of
-it, ``all`` every direction reported; an average with no direction is null. Directions between
-two non-pivot languages (zero-shot), when the manifest has references for them, count in
-``all`` and get their own ``zero-shot`` average.
+it, ``all`` every direction reported; an average with no direction is null. Zero-shot
+directions, when the manifest has references for them, are translated and scored too, marked
+``"zero_shot": true``, and count in ``all`` and their own ``zero-shot`` average only: those the
+export's ``directions`` (the trained ones) do not list, or, when it lists none, those between
+two non-pivot languages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -157,27 +160,85 @@ def scoring_flags_given(args) -> bool:
     return bool(args.bleu or args.tokenize or args.lowercase or args.compound_split)
 
 
-def choose_scoring(args, data_dir: str | Path) -> tuple[Scoring, dict[str, Any]]:
+def _held_out(manifest: Any, split: str, direction: str) -> bool:
+    """Whether the manifest says ``split`` of ``direction``'s pair was held out of the
+    training lines (``splits.<split>.pairs.<pair>.source``) rather than read from files."""
+    pair = "-".join(sorted(direction.split("-")))
+    entry: Any = manifest
+    for key in ("splits", split, "pairs", pair, "source"):
+        entry = entry.get(key) if isinstance(entry, Mapping) else None
+    return entry == "held-out"
+
+
+def choose_scoring(
+    args, data_dir: str | Path, split: str = "test"
+) -> tuple[Scoring, dict[str, Any]]:
     """(scoring, how it was chosen) for evaluate.py: the flags when any is given; else the
     paper's variant for ``--task``, or for the task the DATA_DIR looks like (``--task auto``,
-    the default: megatron_branchnorm.paper.task_of_data); else cased sacreBLEU."""
+    the default: megatron_branchnorm.paper.task_of_data); else cased sacreBLEU.
+
+    ``how["task_directions"]`` lists the directions the scoring is for (a task's own; empty:
+    every direction): evaluate scores any other direction with the default cased sacreBLEU.
+    ``--task auto`` takes a one-direction task (WMT, IWSLT) only when the DATA_DIR's ``split``
+    of that direction came from files: a split held out of the training lines is not the
+    task's test set, so it gets the default scoring and ``chosen_by`` says why."""
     from megatron_branchnorm.paper import PaperError, get_task, task_of_data
 
     if scoring_flags_given(args):
-        return Scoring.from_args(args), {"task": None, "chosen_by": "the scoring flags given"}
+        how = {"task": None, "chosen_by": "the scoring flags given", "task_directions": []}
+        return Scoring.from_args(args), how
     task, why = args.task, "--task"
     if task == "auto":
-        task, why = task_of_data(read_data_manifest(data_dir).raw)
+        manifest = read_data_manifest(data_dir).raw
+        task, why = task_of_data(manifest)
+        held = (
+            [d for d in get_task(task).directions if _held_out(manifest, split, d)] if task else []
+        )
+        if held:
+            title = get_task(task).title
+            why = (
+                f"{held[0]} looks like {title}, but its {split} set was held out of the training "
+                f"lines, so it is not {title}'s; --task {task} scores it that way anyway"
+            )
+            task = None
     if task in (None, "none"):
-        return Scoring(), {"task": None, "chosen_by": f"default ({why})"}
+        return Scoring(), {"task": None, "chosen_by": f"default ({why})", "task_directions": []}
     try:
         t = get_task(task)
     except PaperError as exc:
         raise EvaluationError(f"--task: {exc}") from None
     return Scoring.for_task(task), {
         "task": task,
-        "chosen_by": f"the paper's for {t.title} ({why}): {t.scoring_note}",
+        "chosen_by": f"the paper's for {t.title} ({why}): {t.scoring}",
+        "task_directions": list(t.directions),
     }
+
+
+def describe_scoring(
+    how: dict[str, Any],
+    scoring: Scoring,
+    directions: Sequence[DirectionData],
+    split: str,
+    data_dir: str | Path,
+) -> dict[str, Any]:
+    """The report's ``scoring``: how it was chosen, the chosen :class:`Scoring`, what was
+    scored (``scored``: the split and DATA_DIR), the directions it ``applies_to`` and those
+    scored with the default cased sacreBLEU instead (``default_for``, with a ``note``)."""
+    wanted = how.get("task_directions") or []
+    names = [d.name for d in directions]
+    applies = [n for n in names if not wanted or n in wanted]
+    others = [n for n in names if n not in applies]
+    out = {**how, **dataclasses.asdict(scoring), "scored": f"the {split} split of {data_dir}"}
+    out.update({"applies_to": applies, "default_for": others})
+    if others:
+        from megatron_branchnorm.paper import get_task
+
+        title = get_task(how["task"]).title
+        out["note"] = (
+            f"{', '.join(others)}: default cased sacreBLEU ({title}'s scoring is for "
+            f"{', '.join(wanted)} only)"
+        )
+    return out
 
 
 def add_scoring_args(p) -> None:
@@ -252,8 +313,13 @@ def score_direction(
     }
 
 
-def averages(directions: dict[str, dict[str, Any]], pivot: str = "en") -> dict[str, float | None]:
-    """BLEU averages over x->pivot, pivot->x, all (and zero-shot when there is any)."""
+def averages(
+    directions: dict[str, dict[str, Any]], pivot: str = "en", zero_shot: Sequence[str] | None = None
+) -> dict[str, float | None]:
+    """BLEU averages over x->pivot, pivot->x, all (and zero-shot when there is any).
+
+    ``zero_shot`` names the directions the model was not trained on (None: not recorded, then
+    those between two non-pivot languages); they count in ``all`` and ``zero-shot`` only."""
 
     def mean(names: list[str]) -> float | None:
         if not names:
@@ -261,14 +327,17 @@ def averages(directions: dict[str, dict[str, Any]], pivot: str = "en") -> dict[s
         return round(sum(directions[n]["bleu"] for n in names) / len(names), 4)
 
     pairs = {n: n.split("-") for n in directions}
+    if zero_shot is None:
+        zero_shot = [n for n, (s, t) in pairs.items() if pivot not in (s, t)]
+    trained = {n: st for n, st in pairs.items() if n not in zero_shot}
     out = {
-        "x-en": mean([n for n, (s, t) in pairs.items() if t == pivot and s != pivot]),
-        "en-x": mean([n for n, (s, t) in pairs.items() if s == pivot and t != pivot]),
+        "x-en": mean([n for n, (s, t) in trained.items() if t == pivot and s != pivot]),
+        "en-x": mean([n for n, (s, t) in trained.items() if s == pivot and t != pivot]),
         "all": mean(list(directions)),
     }
-    zero_shot = [n for n, (s, t) in pairs.items() if pivot not in (s, t)]
-    if zero_shot:
-        out["zero-shot"] = mean(zero_shot)
+    zero = [n for n in directions if n in zero_shot]
+    if zero:
+        out["zero-shot"] = mean(zero)
     return out
 
 
@@ -336,13 +405,18 @@ def evaluate(
     pivot: str = "en",
     progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
     scoring: Scoring | None = None,
+    scoring_directions: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Translate and score every direction; returns the JSON report (module docstring).
 
-    ``hyp_dir`` receives the detokenised hypotheses as ``<src>-<tgt>.txt``. ``progress(name,
-    total)`` may return a per-batch callback (e.g. a tqdm bar's update).
+    ``scoring`` applies to ``scoring_directions`` (None: to all); any other direction is scored
+    with the default cased sacreBLEU. A zero-shot direction (module docstring) is translated
+    all the same and marked ``"zero_shot": true``. ``hyp_dir`` receives the detokenised
+    hypotheses as ``<src>-<tgt>.txt``. ``progress(name, total)`` may return a per-batch
+    callback (e.g. a tqdm bar's update).
     """
     results: dict[str, dict[str, Any]] = {}
+    zero_shot: list[str] = []
     if hyp_dir is not None:
         Path(hyp_dir).mkdir(parents=True, exist_ok=True)
     for d in directions:
@@ -359,22 +433,42 @@ def evaluate(
         hyps = translator.translate(sources, d.src_lang, d.tgt_lang, opts, callback)
         if hyp_dir is not None:
             write_text_output(hypothesis_path(hyp_dir, d), "".join(h + "\n" for h in hyps))
-        results[d.name] = score_direction(hyps, refs, d.tgt_lang, lowercase, scoring)
-    return {"directions": results, "averages": averages(results, pivot)}
+        applies = scoring_directions is None or d.name in scoring_directions
+        results[d.name] = score_direction(
+            hyps, refs, d.tgt_lang, lowercase, scoring if applies else Scoring()
+        )
+        if _zero_shot(translator, d, pivot):
+            results[d.name]["zero_shot"] = True
+            zero_shot.append(d.name)
+    return {"directions": results, "averages": averages(results, pivot, zero_shot)}
+
+
+def _zero_shot(translator: Translator, d: DirectionData, pivot: str) -> bool:
+    """Whether ``d`` is zero-shot: not trained (export.json ``directions``), or, where those
+    are not recorded, not into or out of the pivot, or a language into itself."""
+    if translator.trained_directions is not None:
+        return translator.is_zero_shot(d.src_lang, d.tgt_lang)
+    return pivot not in (d.src_lang, d.tgt_lang) or d.src_lang == d.tgt_lang
 
 
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of a report: one row per direction, then the averages."""
     rows = []
     if "scoring" in report:
-        rows.append(f"scoring: {report['scoring']['chosen_by']}")
+        how = report["scoring"]
+        rows.append(f"scoring: {how['chosen_by']}")
+        if "scored" in how:
+            rows.append(f"scored: {how['scored']}: {', '.join(how['applies_to']) or 'nothing'}")
+        if how.get("note"):
+            rows.append(f"scored: {how['note']}")
     rows.append(f"{'direction':<12} {'BLEU':>7} {'chrF':>7}  tokenizer")
     for name, r in report["directions"].items():
         parts = dict(p.split(":", 1) for p in r["signature"].split("|") if ":" in p)
         tok = parts.get("tok", "?")
         if "moses-tok" in parts:  # --bleu tokenized
             tok = "moses" + (" + compound split" if parts.get("compound-split") == "yes" else "")
-        rows.append(f"{name:<12} {r['bleu']:>7.2f} {r['chrf']:>7.2f}  {tok}")
+        zero = " (zero-shot: not trained)" if r.get("zero_shot") else ""
+        rows.append(f"{name:<12} {r['bleu']:>7.2f} {r['chrf']:>7.2f}  {tok}{zero}")
     rows.append("-" * 38)
     for name, value in report["averages"].items():
         shown = "-" if value is None else f"{value:.2f}"

@@ -11,6 +11,8 @@
     model, sp, meta = load_export("exports/run1")
 
 Loading never unpickles anything: weights come from safetensors, the rest is YAML and JSON.
+config.yaml is checked against the safetensors header (tensor names, shapes, dtypes) before
+the model is built, so an export whose config disagrees with its weights allocates nothing.
 A Post-LN-family model (postln, deepnorm, branchnorm at its current step) is folded into a
 vanilla Post-LN model before saving; a Pre-LN model is saved as Pre-LN.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_branchnorm.cli import (
@@ -58,6 +61,13 @@ EXPORT_VERSION = 1
 EXPORT_KIND = dirs.EXPORT.name
 """Marker kind of an export directory (cli.MARKER; formats/dirs.py owns its layout)."""
 EXPORT_TOOL = "convert_checkpoint"
+MAX_EXPORT_POSITIONS = 1 << 16
+"""Largest ``model.max_positions`` an export may declare: its position tables are not stored in
+model.safetensors (nothing there bounds them) but built at load time, max_positions x
+hidden_size each."""
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""safetensors dtypes a weight of the model may be stored in."""
+_LAYER_NAME = re.compile(r"^(encoder_layers|decoder_layers)\.(\d+)\.(.+)$")
 
 
 class ExportError(UserError, ValueError):
@@ -246,13 +256,105 @@ def _verify_checksums(export_dir: Path, meta: dict[str, Any]) -> None:
             raise ExportError(f"{path}: checksum mismatch (corrupt or modified file)")
 
 
+def read_weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, safetensors dtype)} from the header of a safetensors file; no
+    tensor is read. Raises ExportError naming ``path``."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {n: (tuple(s.get_shape()), s.get_dtype()) for n, s in slices.items()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        msg = one_line(str(exc), 300)
+        raise ExportError(f"{path}: not a readable safetensors file ({msg})") from None
+
+
+def _held_sizes(header: dict[str, tuple[tuple[int, ...], str]], weights: Path) -> dict[str, int]:
+    """The config keys the tensors of ``header`` determine, with the values they imply."""
+    emb = header.get("embedding.weight")
+    if emb is None or len(emb[0]) != 2:
+        raise ExportError(f"{weights}: no 2-D tensor embedding.weight (not an export of our model)")
+    layers: dict[str, set[int]] = {"encoder_layers": set(), "decoder_layers": set()}
+    for name in header:
+        match = _LAYER_NAME.match(name)
+        if match:
+            layers[match[1]].add(int(match[2]))
+    held = {"vocab_size": emb[0][0], "hidden_size": emb[0][1]}
+    held.update({stack: len(indices) for stack, indices in layers.items()})
+    fc1 = header.get("encoder_layers.0.ffn.fc1.weight")
+    if fc1 is not None and len(fc1[0]) == 2:
+        held["ffn_hidden_size"] = fc1[0][0]
+    return held
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor an export of ``cfg`` holds. Built on the meta device from
+    a one-layer model (layers of a stack share their shapes): allocates nothing, and costs the
+    same whatever the depth."""
+    one = dataclasses.replace(
+        cfg, encoder_layers=1, decoder_layers=1, layernorm_impl="torch", compile=False
+    )
+    with torch.device("meta"):
+        template = build_model(one, seed=0).state_dict()
+    out: dict[str, tuple[int, ...]] = {}
+    for name, tensor in template.items():
+        match = _LAYER_NAME.match(name)
+        if match is None:
+            out[name] = tuple(tensor.shape)
+            continue
+        for i in range(getattr(cfg, match[1])):
+            out[f"{match[1]}.{i}.{match[3]}"] = tuple(tensor.shape)
+    return out
+
+
+def check_config_against_weights(
+    cfg: ModelConfig,
+    header: dict[str, tuple[tuple[int, ...], str]],
+    config_path: Path,
+    weights: Path,
+) -> None:
+    """Raise ExportError (one line naming the key of ``config_path`` or the tensor of
+    ``weights``) unless ``cfg`` is within bounds and describes exactly the tensors of the
+    safetensors ``header``: names, shapes, floating-point dtypes. Runs before the model is
+    built, so a config that disagrees with its weights never allocates anything."""
+    if cfg.max_positions > MAX_EXPORT_POSITIONS:
+        raise ExportError(
+            f"{config_path}: key model.max_positions is {cfg.max_positions}, more than the "
+            f"{MAX_EXPORT_POSITIONS} an export may declare"
+        )
+    for key, held in _held_sizes(header, weights).items():
+        if getattr(cfg, key) != held:
+            raise ExportError(
+                f"{config_path}: key model.{key} is {getattr(cfg, key)}, but the tensors of "
+                f"{weights} imply {held}"
+            )
+    expected = _expected_shapes(cfg)
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(set(header) - set(expected))
+    if missing or unexpected:
+        what = [f"missing {missing[:3]}"] if missing else []
+        what += [f"unexpected {unexpected[:3]}"] if unexpected else []
+        raise ExportError(f"{weights}: tensors do not match {config_path} ({', '.join(what)})")
+    for name, (shape, dtype) in header.items():
+        if shape != expected[name]:
+            raise ExportError(
+                f"{weights}: tensor {name} has shape {shape}, {config_path} implies "
+                f"{expected[name]}"
+            )
+        if dtype not in FLOAT_DTYPES:
+            raise ExportError(
+                f"{weights}: tensor {name} has dtype {dtype} (expected one of "
+                f"{', '.join(FLOAT_DTYPES)})"
+            )
+
+
 def load_export(
     export_dir: str | Path, device: str | torch.device = "cpu", verify: bool = True
 ) -> tuple[EncoderDecoder, Any, dict[str, Any]]:
     """(model in eval mode, SentencePieceProcessor or None, export.json contents).
 
     Reads safetensors, YAML and JSON only. ``verify`` checks the sha256 sums of export.json.
-    Raises ExportError naming the missing or corrupt file.
+    config.yaml is checked against the safetensors header (:func:`check_config_against_weights`)
+    before the model is built. Raises ExportError naming the missing or corrupt file.
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
@@ -264,25 +366,14 @@ def load_export(
         raise ExportError(f"{weights}: missing")
     if verify:
         _verify_checksums(export_dir, meta)
+    check_config_against_weights(cfg, read_weights_header(weights), export_dir / CONFIG, weights)
     try:
         state = load_file(str(weights), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         msg = " ".join(str(exc).split())
         raise ExportError(f"{weights}: not a readable safetensors file ({msg})") from None
     model = build_model(cfg, seed=0)
-    expected = export_state_dict(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise ExportError(f"{weights}: tensors do not match {CONFIG} ({what})")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ExportError(
-                f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, "
-                f"{CONFIG} implies {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=True)
     if Scheme(cfg.residual) is Scheme.BRANCHNORM:
         model.set_step(int(meta.get("step", 1)))
     model.to(device).eval()

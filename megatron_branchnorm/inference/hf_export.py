@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from megatron_branchnorm.cli import (
     OutputError,
@@ -278,7 +279,7 @@ def export_hf(
         except OutputError as exc:
             raise ExportError(str(exc)) from None
         publish_dir(tmp, out_dir)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # a full disk: one line, as save_export says it
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_failure(exc, out_dir, "Hugging Face export") from None
     except BaseException:

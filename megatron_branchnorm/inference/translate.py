@@ -202,6 +202,42 @@ class Translator:
                     f"(languages: {', '.join(self.languages) or 'none'})"
                 )
 
+    @property
+    def trained_directions(self) -> list[str] | None:
+        """The directions the model was trained on (export.json ``directions``, recorded by
+        convert_checkpoint from the run's DATA_DIR); None when the export does not record
+        them (an older export, synthetic data)."""
+        dirs = self.meta.get("directions")
+        if isinstance(dirs, list) and dirs and all(isinstance(d, str) for d in dirs):
+            return sorted(dirs)
+        return None
+
+    def is_zero_shot(self, src_lang: str, tgt_lang: str) -> bool:
+        """Whether src-tgt is a direction the model was not trained on: not among
+        :attr:`trained_directions`, or (when they are not recorded) the same language on both
+        sides, which no DATA_DIR trains."""
+        trained = self.trained_directions
+        if trained is None:
+            return src_lang == tgt_lang
+        return f"{src_lang}-{tgt_lang}" not in trained
+
+    def check_direction(self, src_lang: str, tgt_lang: str, zero_shot: bool = False) -> None:
+        """Raise TranslateError unless both languages have a tag and the direction was trained
+        (any direction between known languages with ``zero_shot``)."""
+        self.check_languages(src_lang, tgt_lang)
+        if zero_shot or not self.is_zero_shot(src_lang, tgt_lang):
+            return
+        trained = self.trained_directions
+        known = (
+            f"trained: {', '.join(trained)}"
+            if trained is not None
+            else "no DATA_DIR trains a language into itself"
+        )
+        raise TranslateError(
+            f"--src-lang {src_lang} --tgt-lang {tgt_lang}: the model was not trained on "
+            f"{src_lang}-{tgt_lang} ({known}); --zero-shot translates it anyway"
+        )
+
     def encode(self, line: str, tgt_lang: str) -> list[int]:
         """``<2tgt> pieces </s>`` for one line, cut to the model's position table."""
         ids = [self.tags[tgt_lang], *self.sp.encode(clean(line)), EOS_ID]

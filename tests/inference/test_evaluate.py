@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,8 +14,10 @@ from megatron_branchnorm.commands import evaluate as evaluate_cmd
 from megatron_branchnorm.formats.data_dir import DataError
 from megatron_branchnorm.inference.evaluate import (
     EvaluationError,
+    Scoring,
     averages,
     bleu_tokenizer,
+    choose_scoring,
     references_from_manifest,
     score_direction,
 )
@@ -247,3 +250,64 @@ def test_evaluate_cli_tokenized_bleu(tmp_path, text_export, capsys):
     sig = json.loads(out_json.read_text())["directions"]["de-en"]["signature"]
     assert sig.startswith("moses-tok:en|compound-split:yes|nrefs:1|case:mixed|")
     assert "moses + compound split" in stdout and f"signature: {sig}" in stdout
+
+
+def _scoring_args(**kw):
+    base = dict(bleu=None, tokenize=None, lowercase=False, compound_split=False, task="auto")
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("source", "task"), [("files", "wmt17_en_de"), ("held-out", None)])
+def test_task_auto_takes_a_wmt_task_only_for_a_test_set_from_files(tmp_path, source, task):
+    """An en-de DATA_DIR whose test set was held out of its training lines is not newstest2014:
+    --task auto leaves it to the default sacreBLEU and says why; --task still forces it."""
+    pairs = {"de-en": {"source": source}}
+    manifest = {"directions": ["en-de"], "languages": ["de", "en"], "pivot": "en"}
+    manifest["splits"] = {"test": {"pairs": pairs}, "dev": {"pairs": pairs}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    scoring, how = choose_scoring(_scoring_args(), tmp_path, "test")
+    assert how["task"] == task and "newstest" not in how["chosen_by"]
+    if task is None:
+        assert scoring == Scoring() and "held out of the training lines" in how["chosen_by"]
+    else:
+        assert scoring.compound_split and how["task_directions"] == ["en-de"]
+    forced, how = choose_scoring(_scoring_args(task="wmt17_en_de"), tmp_path, "test")
+    assert forced.compound_split and how["task"] == "wmt17_en_de"
+
+
+def test_task_scoring_applies_to_its_own_direction_and_zero_shot_is_labelled(
+    tmp_path, text_export, capsys
+):
+    """--task wmt17_en_de on a multilingual DATA_DIR: en-de scored the WMT17 way, the other
+    directions with the default sacreBLEU, the header naming what was scored; a direction the
+    export did not train is evaluated, marked zero-shot and averaged apart."""
+    from tests.inference.test_untrusted_exports import with_directions
+
+    data = make_data_dir(tmp_path)
+    model = with_directions(text_export, tmp_path / "exp", ["de-en", "en-de"])
+    out_json = tmp_path / "r.json"
+    code = evaluate_cmd.main(
+        ["--model", str(model), "--data", str(data), "--task", "wmt17_en_de",
+         "--directions", "de-en,en-de,en-zh", "--max-sentences", "2", "--beam", "1",
+         "--max-len-a", "0", "--max-len-b", "4", "--threads", "1", "--quiet",
+         "--json", str(out_json)]
+    )  # fmt: skip
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    report = json.loads(out_json.read_text())
+    sigs = {name: r["signature"] for name, r in report["directions"].items()}
+    assert sigs["en-de"].startswith("moses-tok:de|compound-split:yes|")
+    assert sigs["de-en"].startswith("nrefs:1|case:mixed|") and "tok:13a" in sigs["de-en"]
+    assert "tok:zh" in sigs["en-zh"]
+    how = report["scoring"]
+    assert how["applies_to"] == ["en-de"] and how["default_for"] == ["de-en", "en-zh"]
+    assert how["scored"] == f"the test split of {data}"
+    assert "newstest" not in stdout
+    assert f"scored: the test split of {data}: en-de" in stdout
+    assert "scored: de-en, en-zh: default cased sacreBLEU (WMT17 En-De's scoring is for en-de only)" in stdout  # fmt: skip
+    assert report["directions"]["en-zh"]["zero_shot"] is True
+    assert "zero_shot" not in report["directions"]["de-en"]
+    avg = report["averages"]
+    assert avg["zero-shot"] == report["directions"]["en-zh"]["bleu"]
+    assert avg["en-x"] == report["directions"]["en-de"]["bleu"]
+    assert [x for x in stdout.splitlines() if "zero-shot: not trained" in x][0].startswith("en-zh")
