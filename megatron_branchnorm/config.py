@@ -125,6 +125,13 @@ class PipelineConfig:
     divisor of the world size, fewest stages first) or a list such as "12,8". The first that
     divides the world size, keeps a resumed run's micro-batches per update and that the
     memory planner says fits is taken (docs/design.md §17)."""
+    data_parallel: int = 0
+    """The data-parallel size ``train.micro_batches`` is set for (the config's layout is
+    ``stages x data_parallel`` ranks): the global batch is then ``train.micro_batches x
+    data_parallel`` micro-batches of ``data.max_tokens``, kept on every allocation and layout
+    (each replica takes its share; a layout that cannot share it is refused). 0: each replica
+    takes ``train.micro_batches``, so the global batch grows with the world size, and a
+    fresh start cannot fall back to other stages (docs/design.md §17)."""
     partition: str = "balanced"
     """balanced (cost model: decoder layers cost more) | uniform | a layout string."""
     activation_checkpoint_interval: int | str = 0
@@ -562,6 +569,7 @@ def validate(cfg: ExperimentConfig) -> None:
         "pipeline.fallback_stages",
         f'must be "", auto or stage counts such as 12,8, got {quote(p.fallback_stages)}',
     )
+    _check(p.data_parallel >= 0, "pipeline.data_parallel", f"must be >= 0, got {p.data_parallel}")
     _check(bool(p.partition), "pipeline.partition", "must be balanced, uniform or a layout string")
     interval = p.activation_checkpoint_interval
     _check(

@@ -440,15 +440,32 @@ def stage_counts(cfg: ExperimentConfig, gpus: int) -> list[int]:
     return [k for k in range(1, min(gpus, layers) + 1) if gpus % k == 0]
 
 
-def auto_stages(cfg: ExperimentConfig, gpus: int, gpu_memory: float, **kwargs) -> RunPlan:
+def auto_stages(
+    cfg: ExperimentConfig,
+    gpus: int,
+    gpu_memory: float,
+    per_update: int | None = None,
+    **kwargs,
+) -> RunPlan:
     """The plan with the fewest stages (smallest bubble) among divisors of ``gpus`` that fits;
-    the largest stage count if none does."""
+    the largest stage count if none does. With ``per_update`` (the global batch in
+    micro-batches, training/layout.global_batch) only the stage counts whose data-parallel
+    size divides it are tried, each replica taking its share; ConfigError when none can."""
     _check_count(gpus, "--gpus")
     last = None
     for p in stage_counts(cfg, gpus):
+        if per_update is not None:
+            if per_update % (gpus // p):
+                continue
+            kwargs["micro_batches"] = per_update // (gpus // p)
         last = plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs)
         if last.fits():
             return last
+    if last is None and per_update is not None:
+        raise ConfigError(
+            f"--stages auto: no stage count that divides {gpus} GPUs has a data-parallel size "
+            f"that divides the {per_update} micro-batches per update to keep (training/layout.py)"
+        )
     if last is None:
         raise ConfigError(f"no stage count divides {gpus} GPUs")
     return last

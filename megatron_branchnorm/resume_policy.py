@@ -51,6 +51,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "model.compile",
     "pipeline.stages",
     "pipeline.fallback_stages",
+    "pipeline.data_parallel",
     "pipeline.partition",
     "pipeline.activation_checkpoint_interval",
     "train.max_steps",

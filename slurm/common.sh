@@ -22,6 +22,12 @@
 #   NO_REQUEUE=1   exit 75 instead of requeueing (for debugging)
 #   MB_SIGNAL_LEAD the --signal lead in seconds, when --signal is given on the sbatch command
 #                  line (the job cannot see it; see mb_signal_lead)
+#
+# Every number read from the environment (these and SLURM's own: SLURM_JOB_ID,
+# SLURM_JOB_NUM_NODES, SLURM_NNODES, SLURM_NTASKS_PER_NODE, SLURM_CPUS_PER_TASK,
+# SLURM_RESTART_COUNT, SBATCH_SIGNAL's lead) is checked by mb_int before any use: bash evaluates
+# a variable's value inside $(( )), (( )) and [[ -lt ]] as an expression, so a value such as
+# x[$(cmd)] would run cmd.
 
 MB_REQUEUE_EXIT_CODE=75 # megatron_branchnorm.training.exit_codes.REQUEUE_EXIT_CODE
 
@@ -32,6 +38,31 @@ mb_log() {
 mb_die() {
     mb_log "error: $*" >&2
     exit 2
+}
+
+# mb_int NAME MIN MAX [WHAT]: refuse (one line naming WHAT, default NAME=value; exit 2) unless
+# $NAME is a plain decimal integer from MIN to MAX, and rewrite it in base 10 ("08" -> 8). Only
+# then may NAME reach arithmetic: bash evaluates the value of a variable used there as an
+# expression, and x[$(cmd)] in it runs cmd.
+mb_int() {
+    local _mb_name=$1 _mb_min=$2 _mb_max=$3 _mb_value _mb_what
+    _mb_value=${!_mb_name-}
+    # the regex first: only digits may reach the comparison
+    if [[ ! $_mb_value =~ ^[0-9]{1,10}$ ]] ||
+        ((10#$_mb_value < _mb_min || 10#$_mb_value > _mb_max)); then
+        _mb_what="${4:-$_mb_name=$_mb_value}: expected a whole number from $_mb_min to $_mb_max"
+        mb_die "${_mb_what//[^[:print:]]/?}"
+    fi
+    printf -v "$_mb_name" '%d' "$((10#$_mb_value))"
+}
+
+# mb_int for each of these variables that is set and not empty.
+mb_int_if_set() {
+    local min=$1 max=$2 name
+    shift 2
+    for name in "$@"; do
+        [[ -z ${!name:-} ]] || mb_int "$name" "$min" "$max"
+    done
 }
 
 # Activate $VENV when set; then check that the interpreter imports the package.
@@ -50,12 +81,19 @@ mb_setup_python() {
 # MASTER_ADDR/MASTER_PORT, rank count and threads from SLURM's variables.
 mb_setup_rendezvous() {
     [[ -n ${SLURM_JOB_ID:-} ]] || mb_die "not inside a SLURM job: submit with sbatch"
+    mb_int SLURM_JOB_ID 1 4294967295
+    mb_int_if_set 1 65535 MASTER_PORT
+    mb_int_if_set 1 100000 SLURM_JOB_NUM_NODES SLURM_NNODES SLURM_CPUS_PER_TASK
+    mb_int_if_set 1 1024 GPUS_PER_NODE
+    local per_node=${SLURM_NTASKS_PER_NODE:-}
+    per_node=${per_node%%(*} # "8(x4)" -> "8"
+    if [[ -n $per_node ]]; then
+        mb_int per_node 1 1024 "SLURM_NTASKS_PER_NODE=$SLURM_NTASKS_PER_NODE"
+    fi
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
     export MASTER_ADDR MASTER_PORT
     NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-    local per_node=${SLURM_NTASKS_PER_NODE:-}
-    per_node=${per_node%%(*} # "8(x4)" -> "8"
     GPUS_PER_NODE=${GPUS_PER_NODE:-${per_node:-1}}
     WORLD_SIZE_PLANNED=$((NNODES * GPUS_PER_NODE))
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
@@ -92,6 +130,7 @@ mb_signal_lead() {
     local spec=""
     MB_LEAD="" MB_LEAD_FROM=""
     if [[ -n ${MB_SIGNAL_LEAD:-} ]]; then
+        mb_int MB_SIGNAL_LEAD 0 65535 # SLURM's range for --signal's lead
         MB_LEAD=$MB_SIGNAL_LEAD MB_LEAD_FROM="MB_SIGNAL_LEAD=$MB_SIGNAL_LEAD"
         return 0
     elif [[ -n ${SBATCH_SIGNAL:-} ]]; then
@@ -103,6 +142,7 @@ mb_signal_lead() {
     fi
     [[ -n $spec ]] || return 0
     if [[ $spec == *@* ]]; then MB_LEAD=${spec##*@}; else MB_LEAD=60; fi # SLURM's default: 60
+    mb_int MB_LEAD 0 65535 "${MB_LEAD_FROM}: its signal lead"
 }
 
 # Refuse a time limit at or below the signal lead: SLURM would send SIGUSR1 as soon as the
@@ -114,7 +154,6 @@ mb_check_time_limit() {
     limit=$(mb_seconds "$limit_text")
     mb_signal_lead
     [[ -n $limit && -n $MB_LEAD ]] || return 0
-    [[ $MB_LEAD =~ ^[0-9]+$ ]] || mb_die "cannot read a signal lead from ${MB_LEAD_FROM}"
     if ((limit <= MB_LEAD)); then
         mb_die "time limit ${limit_text} (${limit} s) is at or below the SIGUSR1 lead of" \
             "${MB_LEAD} s (${MB_LEAD_FROM}): the signal would reach the ranks while they start;" \
@@ -145,6 +184,7 @@ mb_launch() {
     mb_setup_rendezvous
     mb_check_time_limit
     mb_collect_overrides
+    mb_int_if_set 0 1000000000 SLURM_RESTART_COUNT
     mb_log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST}:" \
         "${NNODES} node(s) x ${GPUS_PER_NODE} rank(s); master ${MASTER_ADDR}:${MASTER_PORT}"
     mb_log "python: $(command -v "$PYTHON"); config: ${CONFIG} ${MB_OVERRIDES[*]:-}"

@@ -5,7 +5,9 @@
 #   sbatch slurm/opus100_1000L.sh                         # from the repository root
 #   DATA=/data/opus100 SAVE_DIR=/scratch/runs/1000L sbatch slurm/opus100_1000L.sh
 #   EXTRA_ARGS="model.residual=deepnorm" sbatch slurm/opus100_1000L.sh
-#   EXTRA_ARGS="pipeline.stages=8 train.micro_batches=128" sbatch --nodes=1 slurm/opus100_1000L.sh
+#   EXTRA_ARGS="pipeline.stages=8" sbatch --nodes=1 slurm/opus100_1000L.sh  # 8 x 1, 128 each
+#
+# Any GPU count keeps the config's 128 x 4096 tokens per update (pipeline.data_parallel: 2).
 #
 # Plan it first: python tools/plan_memory.py --config opus100_1000L --gpus 32 --gpu-memory 40GB
 # Signal lead 600 s: a 1000L checkpoint is ~52 GB, written by 32 ranks and hashed by rank 0

@@ -36,6 +36,7 @@ fi
 source "$MB_ROOT/slurm/common.sh"
 
 [[ -n ${SAVE_DIR:-} ]] || mb_die "SAVE_DIR is not set: the training run's save_dir"
+mb_int_if_set 1 100000 SLURM_CPUS_PER_TASK
 mb_setup_python
 read -r -a MB_WATCH_ARGS <<<"${WATCH_ARGS:-}"
 mb_log "scoring the checkpoints of $SAVE_DIR as they appear (${WATCH_ARGS:-default flags})"

@@ -5,10 +5,14 @@
     python tools/plan_memory.py --config opus100_200L --gpus 8 --gpu-memory 80GB --stages auto
 
 Without ``--stages`` or ``--micro-batches`` it plans the layout the trainer would take
-(training/layout.py): a resumed run in ``train.save_dir`` keeps its checkpoint's micro-batches per
-update, and where ``pipeline.stages`` does not divide ``--gpus``, ``pipeline.fallback_stages``
-chooses (a line ``layout: ...`` says what changed; the trainer decides again with the memory
-its devices report). The sbatch launchers call it this way before starting the ranks.
+(training/layout.py): every layout keeps the run's global batch (``training.layout.global_batch``:
+the config's ``train.micro_batches x pipeline.data_parallel``, or a resumed run's in
+``train.save_dir``), and where ``pipeline.stages`` does not divide ``--gpus``,
+``pipeline.fallback_stages`` chooses (a line ``layout: ...`` says what changed; the trainer decides
+again with the memory its devices report). The sbatch launchers call it this way before starting
+the ranks. ``--stages N`` plans the trainer's run with ``pipeline.stages=N`` and ``--stages auto``
+the fewest stages that fit, both keeping the same global batch; ``--micro-batches`` sets the
+micro-batches per replica instead.
 
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
@@ -19,6 +23,7 @@ with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from megatron_branchnorm.planner import (
     parse_memory,
     plan_run,
 )
-from megatron_branchnorm.training.layout import Device, choose_layout, saved_batch
+from megatron_branchnorm.training.layout import Device, choose_layout, global_batch, saved_batch
 
 
 def _stages(text: str) -> int | str:
@@ -86,7 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--micro-batches",
         type=int_flag(1),
         default=None,
-        help="micro-batches per update (default: train.micro_batches)",
+        help="micro-batches per data-parallel replica (default: the trainer's share of the "
+        "global batch, training/layout.py)",
     )
     parser.add_argument(
         "--vocab-size",
@@ -121,13 +127,24 @@ def _plan(argv: list[str] | None) -> int:
         tflops=args.tflops,
         config_name=args.config,
     )
-    note = None
-    if args.stages is None and args.micro_batches is None:  # the trainer's layout
-        device = Device(args.gpu_memory, args.overhead)
-        layout = choose_layout(cfg, args.gpus, device, saved_batch(Path(cfg.train.save_dir)))
-        cfg, note = layout.apply(cfg), layout.note
+    note, per_update = None, None
+    if args.micro_batches is None:  # the trainer's share of the global batch
+        saved = saved_batch(Path(cfg.train.save_dir))
+        if args.stages == "auto":
+            per_update = global_batch(cfg, args.gpus, saved).per_update
+        elif args.stages is None or args.gpus % args.stages == 0:  # else plan_run says why
+            if args.stages is not None:  # the trainer's run with pipeline.stages=N
+                cfg = dataclasses.replace(
+                    cfg,
+                    pipeline=dataclasses.replace(
+                        cfg.pipeline, stages=args.stages, fallback_stages=""
+                    ),
+                )
+            device = Device(args.gpu_memory, args.overhead)
+            layout = choose_layout(cfg, args.gpus, device, saved)
+            cfg, note = layout.apply(cfg), layout.note
     if args.stages == "auto":
-        plan = auto_stages(cfg, args.gpus, args.gpu_memory, **kwargs)
+        plan = auto_stages(cfg, args.gpus, args.gpu_memory, per_update, **kwargs)
     else:
         plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
     write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n")

@@ -496,6 +496,7 @@ def count_specs(
     micro-batches (or ``micro_batches``)."""
     base = [
         "pipeline.stages=1",
+        "pipeline.data_parallel=0",  # the config's micro-batches on the one replica
         "data.dataset=synthetic",
         "data.synthetic_size=2000",
         *TINY_WIDTH,
@@ -525,6 +526,7 @@ def memory_spec(config: str, vocab: int = MEMORY_VOCAB, extra: tuple[str, ...] =
         "config": config,
         "overrides": [
             "pipeline.stages=1",
+            "pipeline.data_parallel=0",  # one micro-batch on the one replica
             "data.dataset=synthetic",
             "data.synthetic_size=4000",
             f"model.vocab_size={vocab}",

@@ -1,13 +1,17 @@
 """The run's layout on the ranks it got: stage count, data-parallel size and micro-batches per
 replica (docs/design.md §17).
 
-A resumed run keeps the checkpoint's micro-batches per update (``G = micro_batches x dp``:
-tokens per update are ``G x data.max_tokens``), so a run that moves from 2 x 6 to 3 x 4
-(data-parallel x micro-batches) reads the same global batches in the same updates. The
-configured ``pipeline.stages`` is taken when it divides the world size and its data-parallel
-size divides G; otherwise ``pipeline.fallback_stages`` ("auto" or a list) is tried in order,
-each candidate taken only where the memory planner says it fits the device. When nothing
-fits, one line names the layouts that would.
+Every layout keeps one global batch ``G`` (micro-batches per update; tokens per update are
+``G x data.max_tokens``), each replica taking ``G / dp`` (:func:`global_batch`, the one rule
+the trainer and tools/plan_memory.py share): the config's ``train.micro_batches x
+pipeline.data_parallel`` when it sets ``pipeline.data_parallel``, else a resumed run's
+checkpoint's, else ``train.micro_batches`` on each replica of the configured stages. So a run
+that moves from 2 x 6 to 3 x 4 (data-parallel x micro-batches) reads the same global batches
+in the same updates, and a fresh start on another allocation trains at the config's batch.
+The configured ``pipeline.stages`` is taken when it divides the world size and its
+data-parallel size divides G; otherwise ``pipeline.fallback_stages`` ("auto" or a list) is
+tried in order, each candidate taken only where the memory planner says it fits the device.
+When nothing fits, one line names the layouts that would.
 
 A pure function of (config, world size, device memory, the checkpoint's G): every rank
 decides the same (the device memory is agreed on beforehand, the smallest rank's).
@@ -78,14 +82,50 @@ def fallbacks(cfg: ExperimentConfig, world: int) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
-def _micro_batches(cfg: ExperimentConfig, saved: SavedBatch | None, dp: int) -> int | None:
-    """Micro-batches per replica at data-parallel size ``dp``: the configured number on a fresh
-    start (or when the config changes it from the checkpoint's: an explicit change of the
-    global batch), else the checkpoint's per-update count over ``dp`` (None: ``dp`` does not
-    divide it)."""
-    if saved is None or cfg.train.micro_batches != saved.micro_batches:
-        return cfg.train.micro_batches
-    return saved.per_update // dp if saved.per_update % dp == 0 else None
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The micro-batches per update every layout of the run keeps, and whose figure it is."""
+
+    per_update: int
+    source: str  # for the notes: "the config's 128 micro-batches per update (...)"
+
+    def per_replica(self, dp: int) -> int | None:
+        """Micro-batches per replica at data-parallel size ``dp`` (None: ``dp`` does not
+        divide the global batch)."""
+        return self.per_update // dp if self.per_update % dp == 0 else None
+
+
+def global_batch(cfg: ExperimentConfig, world: int, saved: SavedBatch | None) -> GlobalBatch:
+    """The global batch a run on ``world`` ranks keeps (module docstring): the config's when
+    it sets ``pipeline.data_parallel``; else the checkpoint's, unless the config changes
+    ``train.micro_batches`` from it (an explicit change); else ``train.micro_batches`` on each
+    replica of ``pipeline.stages``. ConfigError in one line when none applies: a config
+    without ``pipeline.data_parallel`` whose stages do not divide ``world``."""
+    micro, dp, stages = cfg.train.micro_batches, cfg.pipeline.data_parallel, cfg.pipeline.stages
+    if dp > 0:
+        return GlobalBatch(
+            micro * dp,
+            f"the config's {micro * dp} micro-batches per update (train.micro_batches {micro} "
+            f"x pipeline.data_parallel {dp})",
+        )
+    if saved is not None and micro == saved.micro_batches:
+        return GlobalBatch(
+            saved.per_update,
+            f"the checkpoint's {saved.per_update} micro-batches per update (saved at "
+            f"data-parallel size {saved.data_parallel})",
+        )
+    if world % stages == 0:
+        return GlobalBatch(
+            micro * (world // stages),
+            f"{micro * (world // stages)} micro-batches per update (train.micro_batches {micro}"
+            f" x the {world // stages} replicas of pipeline.stages={stages})",
+        )
+    raise ConfigError(
+        f"config key pipeline.data_parallel: not set, and pipeline.stages={stages} does not "
+        f"divide the world size {world}: no layout can take the config's global batch (set "
+        f"pipeline.data_parallel to the data-parallel size train.micro_batches={micro} is for, "
+        f"or pipeline.stages to a divisor of {world})"
+    )
 
 
 @dataclass(frozen=True)
@@ -114,41 +154,45 @@ def choose_layout(
     cfg: ExperimentConfig, world: int, device: Device, saved: SavedBatch | None
 ) -> Layout:
     """The layout this run trains in (module docstring); ConfigError naming the layouts that
-    would fit when none of the allowed ones does."""
+    would fit and keep the global batch when none of the allowed ones does."""
     stages = cfg.pipeline.stages
-    keep = saved is not None and cfg.train.micro_batches == saved.micro_batches
+    batch = global_batch(cfg, world, saved)
+    changed = None
+    if saved is not None and saved.per_update != batch.per_update:
+        changed = f"the global batch changes from the checkpoint's {saved.per_update} to "
     if world % stages == 0:
-        micro = _micro_batches(cfg, saved, world // stages)
+        micro = batch.per_replica(world // stages)
         if micro is not None:
-            note = None
+            notes = []
             if micro != cfg.train.micro_batches:
-                note = (
-                    f"train.micro_batches {cfg.train.micro_batches} -> {micro}: the checkpoint's "
-                    f"{saved.per_update} micro-batches per update kept at data-parallel size "
-                    f"{world // stages} (saved at {saved.data_parallel})"
+                notes.append(
+                    f"train.micro_batches {cfg.train.micro_batches} -> {micro}: {batch.source} "
+                    f"kept at data-parallel size {world // stages}"
                 )
+            if changed:
+                notes.append(changed + batch.source)
+            note = "; ".join(notes) or None
             return Layout(stages, world // stages, micro, cfg.pipeline.partition, note)
     why = (
         f"pipeline.stages={stages} does not divide the world size {world}"
         if world % stages
-        else f"its data-parallel size {world // stages} does not divide the checkpoint's "
-        f"{saved.per_update} micro-batches per update"
+        else f"its data-parallel size {world // stages} does not divide {batch.source}"
     )
     for s in fallbacks(cfg, world):
         if s == stages or world % s or s > len(spec_entries(cfg.model)):
             continue
-        micro = _micro_batches(cfg, saved, world // s)
+        micro = batch.per_replica(world // s)
         if micro is not None and _fits(cfg, world, device, s, micro):
             note = (
                 f"layout {s} stages x {world // s} data-parallel, {micro} micro-batches per "
                 f"replica: {why}; pipeline.fallback_stages={cfg.pipeline.fallback_stages} "
-                "chose it (the planner says it fits"
-                + (f"; {saved.per_update} micro-batches per update kept)" if keep else ")")
+                f"chose it (the planner says it fits; {batch.source} kept)"
+                + (f"; {changed}{batch.per_update}" if changed else "")
             )
             return Layout(s, world // s, micro, "balanced", note)
     fitting = []
     for s in stage_counts(cfg, world):
-        micro = _micro_batches(cfg, saved, world // s)
+        micro = batch.per_replica(world // s)
         if micro is not None and _fits(cfg, world, device, s, micro):
             fitting.append(f"{s} x {world // s} ({micro} micro-batches)")
     tried = (
@@ -157,7 +201,6 @@ def choose_layout(
     )
     raise ConfigError(
         f"config key pipeline.stages: {why}; fallback stages tried: {tried}; layouts (stages x "
-        f"data-parallel) that fit {world} ranks"
-        + (f" and keep {saved.per_update} micro-batches per update" if keep else "")
-        + f": {', '.join(fitting) if fitting else 'none'}"
+        f"data-parallel) that fit {world} ranks and keep {batch.per_update} micro-batches per "
+        f"update: {', '.join(fitting) if fitting else 'none'}"
     )

@@ -58,6 +58,7 @@ from megatron_branchnorm.cli import OutputError, prepare_output, run_main, write
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import REDONE_KEY
 from megatron_branchnorm.formats.records import read_metrics as read_run_metrics
 from megatron_branchnorm.launch import CHECKOUT, free_port, rank_env
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
@@ -266,6 +267,7 @@ def run_overrides(plan: Plan, name: str, save_dir: Path) -> list[str]:
         *RUN_KEYS,
         f"pipeline.stages={stages}",
         f"train.micro_batches={micro}",
+        "pipeline.data_parallel=0",  # micro is per replica here: no config batch to share
         f"train.max_steps={steps}",
         f"train.save_dir={save_dir}",
     ]
@@ -574,11 +576,13 @@ def _span(first: int, last: int) -> str:
 
 
 def _steps_once(rows: list[dict], last: int) -> str | None:
+    """None when ``rows`` (read through the resumes) are steps 1..last, none of them redone
+    (an exact resume repeats no update)."""
     got = [r["step"] for r in rows]
-    if got != list(range(1, last + 1)):
-        dup = sorted({s for s in got if got.count(s) > 1})
+    redone = [r["step"] for r in rows if r.get(REDONE_KEY)]
+    if got != list(range(1, last + 1)) or redone:
         miss = sorted(set(range(1, last + 1)) - set(got))
-        return f"metrics.jsonl steps {got}: missing {miss}, repeated {dup}"
+        return f"metrics.jsonl steps {got}: missing {miss}, repeated (redone) {redone}"
     return None
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import shlex
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import read_rows
 from megatron_branchnorm.launch import CHECKOUT
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from megatron_branchnorm.workflows.local_slurm import (
@@ -177,10 +177,10 @@ class _Watch:
         self.mem_peak: float | None = None
 
     def rows(self) -> list[dict]:
-        if not self.metrics.is_file():
-            return []
-        lines = self.metrics.read_text().splitlines()
-        return [r for r in map(json.loads, filter(None, lines)) if "loss" in r][self.skip :]
+        """This job's training rows as written, in file order (redone steps included: the
+        checks count them; a line being written is left out)."""
+        rows = read_rows(self.metrics.parent, name=self.metrics.name)
+        return [r for r in rows if "loss" in r][self.skip :]
 
     def poll(self) -> None:
         now = time.time()
@@ -346,8 +346,8 @@ def default_spec(
     """The launcher at its real topology and depth, only the width shrunk (NARROW; more
     ``overrides`` after it)."""
     overrides = list(NARROW) + list(overrides or [])
-    if micro_batches is not None:
-        overrides.append(f"train.micro_batches={micro_batches}")
+    if micro_batches is not None:  # per replica, whatever the config's pipeline.data_parallel
+        overrides += [f"train.micro_batches={micro_batches}", "pipeline.data_parallel=0"]
     return RehearsalSpec(
         launcher, nodes, ranks_per_node, stages, steps, signal_after, overrides=overrides
     )

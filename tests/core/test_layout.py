@@ -30,7 +30,8 @@ def test_a_resume_keeps_the_micro_batches_per_update():
     assert "train.micro_batches 6 -> 4" in got.note and "12 micro-batches per update" in got.note
     # a config that changes train.micro_batches from the checkpoint's changes the global batch
     got = choose_layout(_cfg("pipeline.stages=1", "train.micro_batches=5"), 3, AMPLE, saved)
-    assert got.micro_batches == 5 and got.note is None
+    assert got.micro_batches == 5
+    assert got.note.startswith("the global batch changes from the checkpoint's 12 to 15 ")
 
 
 def test_a_requeue_onto_fewer_nodes_takes_a_fallback_that_fits(monkeypatch):
@@ -75,6 +76,53 @@ def test_the_planner_decides_what_fits():
         ConfigError, match="that fit 4 ranks and keep 4 micro-batches per update: none"
     ):
         choose_layout(cfg, 4, Device(memory=1e3, overhead=0.0), saved)
+
+
+def test_a_fresh_start_keeps_the_configs_global_batch():
+    """pipeline.data_parallel=2: 64 x 2 = 128 micro-batches per update on every allocation, as a
+    resume keeps the checkpoint's (issue 40: 1 stage x 24 took 64 each, 12x the batch)."""
+    cfg = _cfg(
+        "pipeline.stages=16",
+        "train.micro_batches=64",
+        "pipeline.data_parallel=2",
+        "pipeline.fallback_stages=auto",
+    )
+    layouts = {w: choose_layout(cfg, w, AMPLE, None) for w in (16, 24, 32, 64)}
+    got = {w: (x.stages, x.data_parallel, x.micro_batches) for w, x in layouts.items()}
+    # 24: 1, 2 stages (dp 24, 12) cannot share 128; 3 x 8 is the fewest stages that can
+    assert got == {16: (16, 1, 128), 24: (3, 8, 16), 32: (16, 2, 64), 64: (16, 4, 32)}
+    assert layouts[32].note is None
+    assert "train.micro_batches 64 -> 32: the config's 128 micro-batches per update" in (
+        layouts[64].note
+    )
+    assert "pipeline.stages=16 does not divide the world size 24" in layouts[24].note
+    # a resume keeps the config's batch too (the checkpoint's was the same: no change noted)
+    again = choose_layout(cfg, 24, AMPLE, SavedBatch(micro_batches=64, data_parallel=2))
+    assert (again.stages, again.micro_batches) == (3, 16) and "changes" not in again.note
+
+
+def test_a_global_batch_no_layout_can_share_is_one_line(monkeypatch):
+    """6 micro-batches per update on 5 ranks: only 5 stages x 1 could share them, and it does
+    not fit; and without pipeline.data_parallel a fresh start has no batch to keep when the
+    configured stages do not divide the world size."""
+    monkeypatch.setattr(layout, "_fits", lambda cfg, w, d, s, m: s < 5)
+    cfg = _cfg(
+        "pipeline.stages=2",
+        "train.micro_batches=3",
+        "pipeline.data_parallel=2",
+        "pipeline.fallback_stages=auto",
+    )
+    with pytest.raises(ConfigError) as exc:
+        choose_layout(cfg, 5, AMPLE, None)
+    line = str(exc.value)
+    assert "\n" not in line and "pipeline.stages=2 does not divide the world size 5" in line
+    assert line.endswith("that fit 5 ranks and keep 6 micro-batches per update: none")
+    unset = _cfg("pipeline.stages=2", "train.micro_batches=3", "pipeline.fallback_stages=auto")
+    with pytest.raises(ConfigError) as exc:
+        choose_layout(unset, 5, AMPLE, None)
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith("config key pipeline.data_parallel: not set")
+    assert choose_layout(unset, 4, AMPLE, None).micro_batches == 3  # stages divide: as configured
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "12,", "auto,8", "-4"])

@@ -130,7 +130,7 @@ def test_cli_prints_the_table_and_total(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "pipeline.stages" in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1 and "12 x 1 (64 micro-batches)" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "12 x 1 (128 micro-batches)" in bad.stderr
     small_gpu = subprocess.run(
         [
             sys.executable,
@@ -149,6 +149,37 @@ def test_cli_prints_the_table_and_total(tmp_path):
         timeout=60,
     )
     assert small_gpu.returncode == 1 and "does NOT fit" in small_gpu.stdout
+
+
+@pytest.mark.parametrize(
+    ("gpus", "layout"),
+    [(16, "16 x 1 x 128"), (24, "3 x 8 x 16"), (32, "16 x 2 x 64"), (64, "16 x 4 x 32")],
+)
+def test_every_plan_keeps_the_recipes_tokens_per_update(capsys, tmp_path, gpus, layout):
+    """opus100_1000L on 80 GB GPUs, as the launcher plans it (no --stages), with --stages auto
+    and with --stages 16 where it divides: 128 x 4096 tokens per update, the paper's, whatever
+    the GPU count (issue 40: 24 GPUs planned 1 x 24 x 64, 6,291,456 tokens, without a word)."""
+    from megatron_branchnorm.commands import plan
+
+    args = ["--config", "opus100_1000L", "--gpus", str(gpus), f"train.save_dir={tmp_path}"]
+    stages, dp, micro = layout.split(" x ")
+    for extra in ([], ["--stages", "auto"], ["--stages", "16"] if gpus % 16 == 0 else []):
+        assert plan.main([*args, *extra]) == 0
+        out = capsys.readouterr().out
+        assert f"tokens per update: {128 * 4096:,};" in out
+        if not extra:
+            assert f"= {stages} stages x {dp} data-parallel; bf16, ZeRO-1; {micro} micro" in out
+
+
+def test_a_stage_count_that_cannot_share_the_batch_is_refused(capsys, tmp_path):
+    """--stages 8 on 24 GPUs: 3 replicas cannot share 128 micro-batches per update."""
+    from megatron_branchnorm.commands import plan
+
+    args = ["--config", "opus100_1000L", "--gpus", "24", "--stages", "8"]
+    assert plan.main([*args, f"train.save_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "its data-parallel size 3 does not divide" in err
+    assert "keep 128 micro-batches per update: 3 x 8 (16 micro-batches)" in err
 
 
 def test_auto_recompute_is_chosen_per_stage_by_the_plan() -> None:
@@ -180,15 +211,18 @@ def test_cli_plans_the_layout_the_trainer_takes(monkeypatch, capsys, tmp_path):
     from megatron_branchnorm.training.layout import SavedBatch
 
     args = ["--config", "opus100_1000L", "--gpus", "24", f"train.save_dir={tmp_path}"]
-    assert plan.main(args) == 0  # a fresh start: the configured 64 micro-batches per replica
+    assert plan.main(args) == 0  # a fresh start keeps the config's 128 x 4096 tokens too
     out = capsys.readouterr().out
-    assert out.startswith("layout: layout 1 stages x 24 data-parallel, 64 micro-batches")
+    assert out.startswith("layout: layout 3 stages x 8 data-parallel, 16 micro-batches")
     assert "pipeline.stages=16 does not divide the world size 24" in out.splitlines()[0]
-    assert "= 1 stages x 24 data-parallel" in out
+    assert "= 3 stages x 8 data-parallel" in out and "tokens per update: 524,288;" in out
     monkeypatch.setattr(plan, "saved_batch", lambda save_dir: SavedBatch(64, 2))
-    assert plan.main(args) == 0  # resumed from 16 x 2: 24 replicas cannot share 128
+    # resumed from 16 x 2, the config without pipeline.data_parallel: the checkpoint's 128
+    assert plan.main([*args, "pipeline.data_parallel=0"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("layout: layout 3 stages x 8 data-parallel, 16 micro-batches")
-    assert "128 micro-batches per update kept" in first
+    assert "the checkpoint's 128 micro-batches per update (saved at data-parallel size 2) kept" in (
+        first
+    )
     assert plan.main([*args[:3], "32", *args[4:]]) == 0  # the allocation it was planned for
     assert not capsys.readouterr().out.startswith("layout:")

@@ -92,6 +92,8 @@ def test_named_config_and_ds_json_load(name):
     assert world % stages == 0, (world, stages)
     ds = load_ds_config(cfg, dp=world // stages)
     assert ds["train_batch_size"] == cfg.train.micro_batches * (world // stages)
+    # a config that names the data-parallel size its micro-batches are for: its launcher's
+    assert cfg.pipeline.data_parallel in (0, world // stages), cfg.pipeline.data_parallel
 
 
 @pytest.mark.parametrize("path", sorted(DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
