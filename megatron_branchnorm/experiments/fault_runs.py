@@ -5,7 +5,6 @@ parameter-hash readers."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import torch
 
 from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import read_metrics, read_rows
 from megatron_branchnorm.launch import (  # rank_env: the environment srun + common.sh give
     CHECKOUT,
     free_port,
@@ -91,17 +91,15 @@ def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
 
 
 def records(save_dir: Path) -> list[dict]:
-    """Every metrics.jsonl row with a loss (applied updates), in file order."""
-    path = save_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r]
+    """Every metrics.jsonl row with a loss (applied updates), in file order as written (the
+    steps a resume redid included; a line being written is left out)."""
+    return [r for r in read_rows(save_dir) if "loss" in r]
 
 
 def last_by_step(save_dir: Path) -> dict[int, dict]:
-    """The last record of each step (a resumed run re-does steps after its checkpoint)."""
-    return {r["step"]: r for r in records(save_dir)}
+    """The row of each step's applied update the run kept (a resumed run redoes the steps
+    after its checkpoint: the reader gives the latest run's)."""
+    return {r["step"]: r for r in read_metrics(save_dir) if "loss" in r}
 
 
 def signal_when(

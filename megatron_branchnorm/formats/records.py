@@ -3,7 +3,11 @@ the JSON-lines files, the validation BLEU rows, and ``best.json``.
 
 - ``metrics.jsonl``: one JSON object per line with a ``step``, written by rank 0 of the
   trainer only (``training/metrics.py``, the one writer); read by early stopping, retention,
-  plotting, the rehearsal and the research harness through :func:`read_metrics`;
+  plotting, the rehearsal and the research harness through :func:`read_metrics`. The file is
+  only ever appended to. A run that (re)starts at step S in a save_dir whose file has rows
+  first appends a resume marker ``{"step": S, "resumed_from": S}``: the rows written before
+  it past S belong to updates a kill lost (redone from the checkpoint at S, or never). The
+  reader gives each step once, the row of the latest run (:func:`metrics_history`);
 - ``valid_bleu.jsonl``: the same form, one row per scored checkpoint, written by the companion
   process only (:func:`append_bleu_row`, ``inference/valid_bleu.py``). A score is keyed by
   what was scored (:func:`bleu_row_key`): the checkpoint's identity (``checkpoint_id``,
@@ -18,11 +22,12 @@ No torch import: tools that only read a run stay light.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import read_json_object, write_json_atomic
@@ -34,6 +39,13 @@ BLEU_FILE = "valid_bleu.jsonl"
 BEST_FILE = "best.json"
 
 
+RESUME_KEY = "resumed_from"
+"""The key of a resume marker (:func:`resume_marker`)."""
+REDONE_KEY = "redone"
+"""Set (True) by the reader on a row that replaces one a kill made obsolete: the update was
+redone after a resume. Never written to the file."""
+
+
 class MetricsFileError(UserError, ValueError):
     """A record file that a strict reader cannot use: one line naming the file (and line)."""
 
@@ -42,15 +54,19 @@ def metrics_path(save_dir: str | Path, name: str = METRICS_FILE) -> Path:
     return Path(save_dir) / name
 
 
-def read_metrics(
+def read_rows(
     save_dir: str | Path, strict: bool = False, name: str = METRICS_FILE
 ) -> list[dict[str, Any]]:
-    """The rows of ``save_dir/metrics.jsonl`` (or of ``name``, e.g. :data:`BLEU_FILE`) in
-    file order (a resumed run's rows included).
+    """Every row of ``save_dir/metrics.jsonl`` (or of ``name``, e.g. :data:`BLEU_FILE`) in
+    file order, as written: resume markers and the rows they make obsolete included. To
+    follow a file as it grows (rows written since a given count); otherwise read
+    :func:`read_metrics`.
 
     Tolerant (the default): a missing file is no rows, and a line that is not a JSON object
-    with a ``step`` (the last line of a killed run, cut short) is skipped. ``strict``: those
-    are :class:`MetricsFileError`, as is a file without rows."""
+    with a ``step`` (the last line of a killed run, cut short), or a resume marker whose step
+    is not a whole number, is skipped. ``strict``: those are :class:`MetricsFileError`, as is
+    a file without rows; but for a killed run's last line that a restart's resume marker
+    follows (what a kill leaves, kept: the file is only appended to)."""
     path = metrics_path(save_dir, name)
     try:
         text = path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
@@ -65,22 +81,173 @@ def read_metrics(
             raise
         return []
     rows = []
+    cut: MetricsFileError | None = None  # strict: a bad line, an error unless a marker follows
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError:
-            if strict:
-                raise MetricsFileError(f"{path}:{lineno}: not a JSON object") from None
+            if cut is not None:
+                raise cut from None
+            cut = MetricsFileError(f"{path}:{lineno}: not a JSON object") if strict else None
             continue
+        if cut is not None:
+            if not isinstance(row, dict) or RESUME_KEY not in row:
+                raise cut
+            cut = None
         if not isinstance(row, dict) or "step" not in row:
             if strict:
                 raise MetricsFileError(f"{path}:{lineno}: expected an object with a 'step' key")
             continue
+        if RESUME_KEY in row and _step(row.get(RESUME_KEY)) is None:
+            if strict:
+                raise MetricsFileError(
+                    f"{path}:{lineno}: {RESUME_KEY!r} must be a step (a whole number >= 0), "
+                    f"got {row[RESUME_KEY]!r}"
+                )
+            continue
         rows.append(row)
+    if cut is not None:
+        raise cut
     if strict and not rows:
         raise MetricsFileError(f"{path}: no rows")
+    return rows
+
+
+def resume_marker(step: int) -> dict[str, int]:
+    """The record the trainer appends when it (re)starts at ``step`` in a save_dir whose
+    ``metrics.jsonl`` already has rows: the rows before it past ``step`` are obsolete."""
+    return {"step": step, RESUME_KEY: step}
+
+
+def write_row(fh: BinaryIO, row: dict[str, Any]) -> None:
+    """Append ``row`` as one JSON line to ``fh`` (a record file opened ``"ab+"``) in one
+    write, on a line of its own when the file ends in a line a kill cut short (which the
+    reader skips): a kill at any moment loses at most the row being written."""
+    cut = fh.seek(0, 2) > 0 and fh.seek(-1, 2) >= 0 and fh.read(1) != b"\n"
+    fh.write(("\n" if cut else "").encode() + (json.dumps(row) + "\n").encode("utf-8"))
+
+
+def _step(value: Any) -> int | None:
+    """``value`` when it is a step number (an int >= 0, not a bool), else None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a row records, for replacing an earlier record of the same: (step, kind), the
+    kind a training row, a validation row, an early stop, or the n-th skipped update in a row
+    at that step; None for a row of another form (kept as written, never replaced)."""
+    step = _step(row.get("step"))
+    if step is None:
+        return None
+    if row.get("skipped"):
+        consecutive = row.get("consecutive_skips")
+        return step, "skipped", consecutive if isinstance(consecutive, int) else None
+    for kind in ("early_stop", "valid_loss", "loss"):
+        if kind in row:
+            return step, kind
+    return None
+
+
+def _past(row: dict[str, Any], step: int) -> bool:
+    """Whether ``row`` records something after the checkpoint at ``step`` was saved: a row
+    of a later step, or a skipped update or early stop at ``step`` (both written after its
+    update, validation and save)."""
+    row_step = _step(row.get("step"))
+    if row_step is None:
+        return False
+    return row_step > step or (
+        row_step == step and bool(row.get("skipped") or row.get("early_stop"))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsHistory:
+    """A run's ``metrics.jsonl`` read through its resumes (:func:`metrics_history`)."""
+
+    rows: list[dict[str, Any]]
+    """What readers see: each step (of each kind) once, the row of the latest run, in file
+    order; a row that replaced an obsolete one has ``"redone": True``."""
+    replaced: list[dict[str, Any]]
+    """The rows made obsolete (redone later, or lost for good), as written, in the order they
+    were replaced."""
+    resumes: list[int]
+    """The steps of the resume markers, in file order."""
+
+
+def metrics_history(written: list[dict[str, Any]]) -> MetricsHistory:
+    """The rows readers see of the rows ``written`` (:func:`read_rows`):
+
+    - a resume marker at step S makes obsolete every earlier row past S (:func:`_past`): the
+      updates after the checkpoint a restart resumed from were lost, and are redone;
+    - a row replaces an earlier one of the same step and kind (:func:`_row_key`), so a file
+      from before the markers (its resumes unmarked) still gives each step once.
+
+    A row that takes the place of an obsolete row of the same step and kind is marked
+    ``"redone": True``. Rows of another form (no whole-number step, an unknown kind) are kept
+    as written."""
+    view: list[tuple[dict[str, Any], dict[str, Any]] | None] = []  # (as written, as seen)
+    where: dict[tuple[Any, ...], int] = {}  # key -> its row's index in view
+    obsolete: set[tuple[Any, ...]] = set()
+    replaced: list[dict[str, Any]] = []
+    resumes: list[int] = []
+
+    def drop(i: int) -> None:
+        entry = view[i]
+        assert entry is not None
+        key = _row_key(entry[0])
+        if key is not None:
+            obsolete.add(key)
+            where.pop(key, None)
+        replaced.append(entry[0])
+        view[i] = None
+
+    for row in written:
+        if RESUME_KEY in row:
+            step = _step(row[RESUME_KEY])
+            if step is not None:
+                resumes.append(step)
+                for i, entry in enumerate(view):
+                    if entry is not None and _past(entry[0], step):
+                        drop(i)
+            continue
+        key = _row_key(row)
+        if key is not None and key in where:
+            drop(where[key])
+        seen = {**row, REDONE_KEY: True} if key is not None and key in obsolete else row
+        if key is not None:
+            where[key] = len(view)
+        view.append((row, seen))
+    return MetricsHistory([e[1] for e in view if e is not None], replaced, resumes)
+
+
+def read_metrics_history(save_dir: str | Path, strict: bool = False) -> MetricsHistory:
+    """``save_dir/metrics.jsonl`` read through its resumes (:func:`metrics_history`), with
+    the rows made obsolete; errors as :func:`read_metrics`."""
+    history = metrics_history(read_rows(save_dir, strict=strict))
+    if strict and not history.rows:
+        raise MetricsFileError(f"{metrics_path(save_dir)}: no rows (only resume markers)")
+    return history
+
+
+def read_metrics(
+    save_dir: str | Path, strict: bool = False, name: str = METRICS_FILE
+) -> list[dict[str, Any]]:
+    """The rows of ``save_dir/metrics.jsonl`` as readers see them: each step (of each kind:
+    training, validation, early stop, skipped update) once, the row of the latest run, in
+    file order, a redone row marked ``"redone": True`` (:func:`metrics_history`; the rows a
+    resume made obsolete: :func:`read_metrics_history`). ``name``: another record file read
+    by the same rules (:data:`BLEU_FILE`: its rows are of another kind and it has no resume
+    markers, so they read as written).
+
+    Tolerant (the default): a missing file is no rows, and a line that is not a JSON object
+    with a ``step`` (the last line of a killed run, cut short) is skipped. ``strict``: those
+    are :class:`MetricsFileError`, as is a file without rows."""
+    rows = metrics_history(read_rows(save_dir, strict=strict, name=name)).rows
+    if strict and not rows:
+        raise MetricsFileError(f"{metrics_path(save_dir, name)}: no rows (only resume markers)")
     return rows
 
 
@@ -142,7 +309,7 @@ def bleu_row_key(row: dict[str, Any]) -> tuple[str, str] | None:
 def bleu_scored_keys(save_dir: str | Path) -> set[tuple[str, str]]:
     """The keys (:func:`bleu_row_key`) of every keyed row of ``save_dir/valid_bleu.jsonl``:
     the companion skips a checkpoint only when its key is among them."""
-    keys = (bleu_row_key(row) for row in read_metrics(save_dir, name=BLEU_FILE))
+    keys = (bleu_row_key(row) for row in read_rows(save_dir, name=BLEU_FILE))
     return {k for k in keys if k is not None}
 
 
@@ -163,7 +330,7 @@ def validation_bleus(save_dir: str | Path, checkpoint_ids: Mapping[int, str]) ->
     last), so a one-off run with other options never outranks the companion's own rows."""
     groups: dict[str, dict[int, float]] = {}
     written: dict[str, int] = {}
-    for i, row in enumerate(read_metrics(save_dir, name=BLEU_FILE)):
+    for i, row in enumerate(read_rows(save_dir, name=BLEU_FILE)):
         key = bleu_row_key(row)
         step, value = row["step"], row.get("valid_bleu")
         if key is None or not isinstance(step, int) or not _finite(value):
@@ -181,12 +348,11 @@ def validation_bleus(save_dir: str | Path, checkpoint_ids: Mapping[int, str]) ->
 def append_bleu_row(save_dir: str | Path, row: dict[str, Any]) -> None:
     """Append one scored checkpoint's row to ``save_dir/valid_bleu.jsonl`` (the companion,
     its one writer); a row is written in one call, so a kill leaves at most a cut last line,
-    which :func:`read_metrics` skips (and the next row starts on a line of its own)."""
+    which :func:`read_rows` skips (and the next row starts on a line of its own)."""
     if not isinstance(row.get("step"), int):
         raise ValueError(f"a {BLEU_FILE} row needs an int step, got {row.get('step')!r}")
     with open(metrics_path(save_dir, BLEU_FILE), "ab+") as fh:
-        cut = fh.seek(0, 2) > 0 and fh.seek(-1, 2) >= 0 and fh.read(1) != b"\n"
-        fh.write(("\n" if cut else "").encode() + (json.dumps(row) + "\n").encode("utf-8"))
+        write_row(fh, row)
 
 
 # ---- best.json -------------------------------------------------------------------------------

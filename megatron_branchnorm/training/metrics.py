@@ -1,26 +1,36 @@
 """``metrics.jsonl``, the run's record: one JSON object per line, written by rank 0 only,
 read back by early stopping, retention, plotting, the rehearsal and the research harness.
 
-This module owns the one writer (the file name and the one reader are
+This module owns the one writer (the file name, the row format and the one reader are
 ``formats/records.py``'s); it imports neither torch nor TensorBoard at import time, so tools
 that only read a run stay light. :class:`MetricsLog` writes the console line, the JSON rows
-and TensorBoard's scalars.
+and TensorBoard's scalars. The file is only appended to: a run that (re)starts at step S over
+rows of an earlier one appends a resume marker (:meth:`MetricsLog.start`), from which the
+reader drops the rows a kill made obsolete, so each step reads once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import describe_os_error, one_line
-from megatron_branchnorm.formats.records import metrics_path, read_metrics
+from megatron_branchnorm.formats.records import (
+    REDONE_KEY,
+    metrics_path,
+    read_metrics,
+    resume_marker,
+    write_row,
+)
 
 TIMING_KEYS = ("tokens_per_sec", "memory_mb", "elapsed_s", "eta_s")
 """The keys that depend on the machine and its load, not on what was trained."""
+UNCOMPARED_KEYS = (*TIMING_KEYS, REDONE_KEY)
+"""What :func:`first_difference` leaves out: timings, and the reader's mark of a row redone
+after a resume (the same update gives the same row)."""
 
 
 def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -29,10 +39,14 @@ def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def first_difference(a: str | Path, b: str | Path) -> str | None:
-    """Where two runs' ``metrics.jsonl`` differ, leaving out :data:`TIMING_KEYS` (values
-    compared exactly: a fixed-seed run repeats bit for bit); None when they are the same."""
+    """Where two runs' ``metrics.jsonl`` differ (the rows readers see: each step once),
+    leaving out :data:`UNCOMPARED_KEYS` (values compared exactly: a fixed-seed run repeats
+    bit for bit); None when they are the same."""
     rows_a, rows_b = (
-        [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(d, strict=True)]
+        [
+            {k: v for k, v in r.items() if k not in UNCOMPARED_KEYS}
+            for r in read_metrics(d, strict=True)
+        ]
         for d in (a, b)
     )
     for i, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=False), 1):
@@ -58,6 +72,36 @@ class MetricsLog:
         self.is_logger = is_logger
         self.error: str | None = None
         self.tb: Any = None
+        self.purge_step: int | None = None  # TensorBoard hides the events from here on
+
+    def start(self, step: int) -> None:
+        """Training (re)starts at ``step``. Over rows an earlier run wrote (a resume, or a
+        restart from scratch after a kill before the first checkpoint) append the resume
+        marker (:func:`megatron_branchnorm.formats.records.resume_marker`), from which the
+        reader drops the rows after ``step`` the restart makes obsolete; TensorBoard hides
+        that run's events after ``step`` alike. A failure to write is kept as :meth:`write`'s."""
+        if not self.is_logger or self.error is not None:
+            return
+        try:
+            earlier_rows = self.path.stat().st_size > 0
+        except FileNotFoundError:
+            earlier_rows = False
+        except OSError:  # unknown: the marker is harmless, and the write reports a failure
+            earlier_rows = True
+        if not earlier_rows:
+            return
+        self.purge_step = step + 1
+        self._append(resume_marker(step))
+
+    def _append(self, record: dict[str, Any]) -> bool:
+        """Append one row to metrics.jsonl; False (and :attr:`error` set) when it failed."""
+        try:
+            with open(self.path, "ab+") as fh:
+                write_row(fh, record)
+        except OSError as exc:
+            self.error = f"cannot write metrics: {describe_os_error(exc)}"
+            return False
+        return True
 
     def log(self, msg: str) -> None:
         if self.is_logger:
@@ -65,19 +109,13 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (with a ``step``) to metrics.jsonl and TensorBoard."""
-        if not self.is_logger or self.error is not None:
-            return
-        try:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
-        except OSError as exc:
-            self.error = f"cannot write metrics: {describe_os_error(exc)}"
+        if not self.is_logger or self.error is not None or not self._append(record):
             return
         if self.tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.tb_dir))
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=self.purge_step)
             except Exception as exc:  # noqa: BLE001 - logging must not stop training
                 self.log(f"tensorboard disabled: {exc}")
                 self.tb = False
@@ -169,12 +207,17 @@ class Progress:
             max_steps,
             max_time_minutes,
         )
-        self.start(0)
+        self._clock(0)
 
-    def start(self, step: int) -> None:
-        """Training (re)starts at ``step``: the clocks start here."""
+    def _clock(self, step: int) -> None:
         self.start_time = self.last_time = time.time()
         self.first_step, self.tokens = step, 0
+
+    def start(self, step: int) -> None:
+        """Training (re)starts at ``step``: the clocks start here, and metrics.jsonl records
+        the restart (:meth:`MetricsLog.start`)."""
+        self._clock(step)
+        self.metrics.start(step)
 
     def elapsed(self) -> float:
         """Seconds since training (re)started: ``elapsed_s``, and what the time budget counts."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap, run_main
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.formats.records import read_metrics
+from megatron_branchnorm.formats.records import read_metrics, read_rows
 from megatron_branchnorm.launch import LaunchError, deepspeed_command
 from megatron_branchnorm.plotting import series
 from megatron_branchnorm.steps import (
@@ -208,11 +208,11 @@ def train_leg(
         raise DemoError(str(e)) from None
     save_dir = opts.out / "train"
     budget = minutes * 60.0
-    rows_before = len(read_metrics(save_dir))
+    rows_before = len(read_rows(save_dir))
     train_start: list[float] = []
 
     def detail() -> tuple[float | None, str]:
-        rows = read_metrics(save_dir)[rows_before:]  # a line being written is left out
+        rows = read_rows(save_dir)[rows_before:]  # this leg's; a line being written is left out
         steps, losses = series(rows, "loss")
         if not steps:
             return None, "starting the ranks"
