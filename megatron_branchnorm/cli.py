@@ -27,6 +27,7 @@ import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -300,11 +301,21 @@ def float_flag(low: float = -math.inf, high: float = math.inf) -> Callable[[str]
 
 
 def check_output_file(
-    path: str | Path, flag: str, inputs: Iterable[tuple[str, str | Path | None]]
+    path: str | Path,
+    flag: str,
+    inputs: Iterable[tuple[str, str | Path | None]],
+    ours: Callable[[Path], bool] | None = None,
+    described: str = "a file this tool wrote",
 ) -> None:
     """Refuse, before any work, an output file that would destroy an input (the same path or
     file, inside an input directory, or containing one), is a directory, or lies under a
-    regular file. Missing parent directories are created when the output is written."""
+    regular file. Missing parent directories are created when the output is written.
+
+    With ``ours`` (recognises a file this tool wrote, ``described`` in messages), the file
+    is a side output such as ``--stats``, never another tool's, so also refused: a path
+    inside a directory of a known kind (a run, a DATA_DIR, an export: formats/dirs.py), an
+    existing regular file that ``ours`` does not recognise, and a directory where it cannot
+    be written now. An existing device or FIFO is allowed (written in place)."""
     inputs = list(inputs)
     refuse_overlap(path, inputs, flag)
     for in_flag, inp in inputs:
@@ -313,6 +324,38 @@ def check_output_file(
     if Path(path).is_dir():
         raise OutputError(f"{flag} {path}: is a directory (a file is expected)")
     check_parent_dir(path, flag)
+    if ours is not None:
+        _check_side_output(Path(path), flag, ours, described)
+
+
+def _check_side_output(path: Path, flag: str, ours: Callable[[Path], bool], described: str) -> None:
+    """:func:`check_output_file`'s rules for a side output recognised by ``ours``."""
+    if path.exists() and not path.is_file():  # a device or FIFO, written in place
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"{flag} {path}: cannot write (permission denied)")
+        return
+    real = Path(os.path.realpath(path))
+    found = dirs.enclosing_kind(real)
+    if found is not None:
+        where, kind, evidence = found
+        raise OutputError(
+            f"{flag} {path}: lies inside {where}, which is {dirs.describe(kind)} (by its "
+            f"{evidence}); {described} never goes there: choose another path"
+        )
+    if real.is_file() and not ours(real):
+        raise OutputError(
+            f"{flag} {path}: exists and is not {described}; it is never replaced: choose a "
+            "new path or remove it yourself"
+        )
+    parent = real.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{real.name}.write-probe-") as f:
+            f.write(b"x")
+            f.flush()
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: cannot write ({write_failure_reason(exc)})") from None
 
 
 def check_parent_dir(path: str | Path, flag: str) -> None:

@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="write each phase's seconds and peak memory (RSS of this process and its\n"
-        "workers, summed) to FILE as JSON",
+        "workers, summed) to FILE as JSON: a new file or one an earlier --stats wrote,\n"
+        "never inside --input, --output or another tool's directory (checked first)",
     )
     return p.parse_args(argv)
 

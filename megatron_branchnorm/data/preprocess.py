@@ -25,6 +25,11 @@ line):
 
 Everything is written into a hidden temporary directory beside DATA_DIR that is renamed to
 DATA_DIR at the very end, so an interrupted run never leaves a directory that looks complete.
+The temporary directory carries :data:`dirs.TEMP_MARKER` naming the run that writes it (host,
+pid and the pid's start time); a later run of the same DATA_DIR removes, and says so in one
+line, the temporary directories of runs that no longer run (killed by SIGKILL, a lost node),
+never one of a live run or one without that marker. Worker processes (the SentencePiece trainer
+among them) die with the run (:func:`die_with_parent`).
 DATA_DIR carries the marker :data:`megatron_branchnorm.cli.MARKER` (kind ``data``):
 ``overwrite`` replaces only a directory with that marker (or an older DATA_DIR with our
 manifest) that holds nothing but a DATA_DIR's own entries (formats/dirs.py), never the input
@@ -33,6 +38,7 @@ corpus, a run trained into it, or anything else.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -41,6 +47,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -52,13 +59,16 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
+from megatron_branchnorm import run_lock
 from megatron_branchnorm.cli import (
     OutputError,
+    check_output_file,
     json_has_format,
     prepare_output,
     publish_dir,
     write_failure_reason,
     write_marker,
+    write_text_output,
 )
 from megatron_branchnorm.data import spm as spm_lib
 from megatron_branchnorm.data.corpora import (
@@ -80,7 +90,7 @@ from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
 from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
-from megatron_branchnorm.formats.files import sha256_file
+from megatron_branchnorm.formats.files import read_small_file, sha256_file
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FILTERS = ("bad_utf8", "empty", "too_long")
@@ -95,6 +105,11 @@ DATA_KIND = dirs.DATA.name
 """Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory,
 holding only what formats/dirs.py lists as a DATA_DIR's entries."""
 DATA_TOOL = "preprocess_data"
+STATS_KEYS = frozenset({"phases", "total_seconds", "peak_rss_mb"})
+"""The keys of a ``--stats`` file (:meth:`PhaseStats.summary`): how one of ours is recognised."""
+MAX_STATS_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal this process gets when its parent ends (Linux)."""
 
 
 @dataclass
@@ -139,6 +154,40 @@ def check_directions(directions: list[str] | None, langs: list[str], pivot: str)
     return set(wanted)
 
 
+def is_stats_file(path: Path) -> bool:
+    """Whether ``path`` is a ``--stats`` file of ours (a small JSON object with exactly the
+    summary's keys): the only existing file ``--stats`` may replace."""
+    try:
+        data = json.loads(read_small_file(path, MAX_STATS_BYTES))
+    except (OSError, ValueError):  # FileShapeError too: a device or FIFO is not ours
+        return False
+    return isinstance(data, dict) and set(data) == STATS_KEYS and isinstance(data["phases"], dict)
+
+
+def check_stats_path(stats: str, inputs: list[tuple[str, str | Path | None]]) -> None:
+    """Refuse, before any work, a ``--stats`` file that would destroy something: inside or
+    over an input or the output (``inputs``), inside a directory of a known kind (a run, a
+    DATA_DIR, an export), an existing file that is not a stats file of ours, or a place that
+    cannot be written now (:func:`cli.check_output_file`); a DataError naming ``--stats``."""
+    try:
+        check_output_file(stats, "--stats", inputs, is_stats_file, "a --stats file of preprocess")
+    except OutputError as exc:
+        raise DataError(str(exc)) from None
+    if not Path(stats).parent.is_dir():
+        raise DataError(f"--stats {stats}: its directory does not exist")
+
+
+def write_stats(stats: str, summary: dict) -> None:
+    """Write the ``--stats`` summary: through a temporary file renamed when complete (to the
+    link's target when ``stats`` links to a file), in place on a device or FIFO."""
+    target = os.path.realpath(stats) if Path(stats).is_file() else stats
+    try:
+        write_text_output(target, json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:
+        reason = write_failure_reason(exc)
+        raise DataError(f"--stats {stats}: cannot write ({reason})") from None
+
+
 def is_legacy_data_dir(path: str | Path) -> bool:
     """Whether ``path`` is a DATA_DIR written before output directories carried a marker
     (its manifest.json is ours): ``--overwrite`` may replace it."""
@@ -165,6 +214,56 @@ def write_failure(exc: BaseException, out: Path, flag: str = "--output") -> Data
     return DataError(f"{flag} {out}: cannot write ({write_failure_reason(exc)})")
 
 
+def _temp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+def make_temp_dir(out: Path, tool: str) -> Path:
+    """A new hidden temporary directory beside ``out`` (``.NAME.tmp-PID-XXXX``) carrying
+    :data:`dirs.TEMP_MARKER`: this process as its owner, ``out``'s name and ``tool``. Nothing
+    already there is touched."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out)}{os.getpid()}-", dir=out.parent))
+    try:
+        dirs.write_temp_marker(tmp, tool, out.name, run_lock.owner_record())
+    except BaseException:  # a full disk, Ctrl-C: nothing of ours stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def remove_dead_temp_dirs(out: Path) -> list[str]:
+    """Remove the temporary directories beside ``out`` that runs writing ``out`` left when
+    they died: only directories carrying :data:`dirs.TEMP_MARKER` for ``out`` whose owner was
+    a process of this host that no longer runs (or whose pid now belongs to another process).
+    A live run's, another host's and anything without the marker stay. Returns one line per
+    directory removed: its name, size and why."""
+    me = run_lock.owner_record()
+    prefix = _temp_prefix(out)
+    try:
+        found = sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+    removed = []
+    for tmp in found:
+        if tmp.is_symlink() or not tmp.is_dir():
+            continue
+        info = dirs.read_temp_marker(tmp)
+        owner = info.get("owner") if info is not None and info.get("output") == out.name else None
+        if not isinstance(owner, dict) or owner.get("host") != me["host"]:
+            continue
+        holder = {key: owner.get(key) for key in ("host", "pid", "pid_start")}
+        if (holder["pid"], holder["pid_start"]) == (me["pid"], me["pid_start"]):
+            continue  # this process's own: in use
+        reason = run_lock.stale_reason(holder, 0.0, me)
+        if reason is None:
+            continue
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(tmp)
+        removed.append(f"{tmp.name} ({size / 1e6:.1f} MB; {reason})")
+    return removed
+
+
 @contextmanager
 def staged_output(
     out: Path,
@@ -174,21 +273,23 @@ def staged_output(
     inputs: list[tuple[str, str | Path | None]],
     legacy: Callable[[Path], bool] | None = None,
 ) -> Iterator[Path]:
-    """A hidden temporary directory beside ``out`` for a data tool to write into. When the
-    block ends, it gets the marker of ``kind`` and replaces ``out`` (checked again to be
-    ours to replace: nothing else appeared there meanwhile); when the block fails, it is
-    removed, an OSError becoming a DataError that names ``out``. So an interrupted tool never
-    leaves a directory that looks complete."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    """A hidden temporary directory beside ``out`` for a data tool to write into
+    (:func:`make_temp_dir`; temporary directories of dead runs of ``out`` are removed first,
+    with one line on stderr). When the block ends, it gets the marker of ``kind`` and
+    replaces ``out`` (checked again to be ours to replace: nothing else appeared there
+    meanwhile); when the block fails, it is removed, an OSError becoming a DataError that
+    names ``out``. So an interrupted tool never leaves a directory that looks complete."""
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        removed = remove_dead_temp_dirs(out)
+        if removed:
+            print(f"removed what dead runs of {out} left: {', '.join(removed)}", file=sys.stderr)
+        tmp = make_temp_dir(out, tool)
     except OSError as exc:
         raise write_failure(exc, out) from None
     try:
         yield tmp
         write_marker(tmp, tool, kind)
+        (tmp / dirs.TEMP_MARKER).unlink()
         check_output_dir(out, kind, overwrite, inputs, legacy)
         publish_dir(tmp, out)
     except OSError as exc:
@@ -210,6 +311,28 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def die_with_parent(parent: int) -> None:
+    """Make this forked worker end (SIGKILL) when its parent ``parent`` ends, however it
+    ends: a run killed by SIGKILL must not leave SentencePiece training, or encoding, on
+    behind it. Linux (prctl ``PR_SET_PDEATHSIG``); elsewhere nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(
+        ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), *[ctypes.c_ulong(0)] * 3
+    )
+    if os.getppid() != parent:  # the parent ended before the request was made
+        os._exit(1)
+
+
+def _start_worker(parent: int, initializer: Callable[..., None], initargs: tuple) -> None:
+    """A pool worker's start: it ignores Ctrl-C at once, dies with ``parent``, then runs
+    ``initializer(*initargs)``."""
+    _ignore_sigint()
+    die_with_parent(parent)
+    initializer(*initargs)
+
+
 def _init_worker(model_file: str) -> None:
     """An encoding worker: ignores Ctrl-C, loads the SentencePiece model once."""
     _ignore_sigint()
@@ -223,10 +346,12 @@ def _pool(
     initargs: tuple = (),
 ) -> mp.pool.Pool:
     """Worker processes, forked where the platform can (the parent is small when it forks:
-    no phase keeps the corpus in memory)."""
+    no phase keeps the corpus in memory), each ending with this process
+    (:func:`die_with_parent`) and started by ``initializer(*initargs)``."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    start = (os.getpid(), initializer, initargs)
     with stats.paused():
-        return mp.get_context(method).Pool(processes, initializer=initializer, initargs=initargs)
+        return mp.get_context(method).Pool(processes, initializer=_start_worker, initargs=start)
 
 
 @contextmanager
@@ -739,18 +864,9 @@ def preprocess(opts: PreprocessOptions) -> dict:
     (and writes ``opts.stats`` when set)."""
     stats = PhaseStats(sample_memory=opts.stats is not None)
     try:
-        manifest = _preprocess(opts, stats)
+        return _preprocess(opts, stats)
     finally:
         stats.stop()
-    if opts.stats is not None:
-        try:
-            with open(opts.stats, "w", encoding="utf-8") as f:
-                json.dump(stats.summary(), f, indent=2)
-                f.write("\n")
-        except OSError as exc:
-            reason = write_failure_reason(exc)
-            raise DataError(f"--stats {opts.stats}: cannot write ({reason})") from None
-    return manifest
 
 
 def _preprocess(opts: PreprocessOptions, stats: PhaseStats) -> dict:
@@ -764,11 +880,11 @@ def _preprocess(opts: PreprocessOptions, stats: PhaseStats) -> dict:
     for flag, value in (("--dev-size", opts.dev_size), ("--test-size", opts.test_size)):
         if not isinstance(value, int) or value < 0:
             raise DataError(f"{flag} must be an integer >= 0, got {value!r}")
-    if opts.stats is not None and not Path(opts.stats).parent.is_dir():
-        raise DataError(f"--stats {opts.stats}: its directory does not exist")
     out = Path(opts.output)
     inputs = [("--input", opts.input_dir)]
     check_output_dir(out, DATA_KIND, opts.overwrite, inputs, is_legacy_data_dir)
+    if opts.stats is not None:
+        check_stats_path(opts.stats, [*inputs, ("--output", out)])
     found = discover(opts.fmt, opts.input_dir, langs, opts.pivot)
 
     with staged_output(
@@ -780,6 +896,8 @@ def _preprocess(opts: PreprocessOptions, stats: PhaseStats) -> dict:
                 json.dump(manifest, f, indent=2, ensure_ascii=False)
                 f.write("\n")
             shutil.rmtree(tmp / SPILL_DIR)
+        if opts.stats is not None:  # before the output is published: a failure leaves none
+            write_stats(opts.stats, stats.summary())
     return manifest
 
 

@@ -5,8 +5,13 @@ A save writes ``SAVE_DIR/global_stepN/`` through DeepSpeed (every rank its own f
 each rank's RNG state, then (rank 0, after a barrier) ``train_config.json``, the tag's copy of
 the SentencePiece model and ``checksums.json`` over every file of the tag, and only then
 ``SAVE_DIR/latest`` (written to a temporary name and renamed). A checkpoint without its
-checksums is incomplete and never loaded; DeepSpeed loads with ``weights_only=False``, so
-every file is verified against the manifest before it is read.
+checksums is incomplete and never loaded.
+
+A checkpoint is not trusted code: ``latest`` and every tag are a ``global_stepN`` directory
+inside the save_dir (never a path or a link out of it), the manifest lists plain file names of
+its tag, and no file is unpickled beyond tensors, containers, numbers, strings and the few
+DeepSpeed types of :data:`ALLOWED_GLOBALS` (``torch.load(weights_only=True)`` here and in
+DeepSpeed's own load: megatron_branchnorm/training/checkpoint_engine.py).
 
 The files of a tag directory (DeepSpeed 0.19.8 names the first three):
 
@@ -31,13 +36,21 @@ import operator
 import os
 import random
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import one_line, read_json_object, sha256_file
+from megatron_branchnorm.formats.files import (
+    FileShapeError,
+    one_line,
+    quote,
+    read_json_object,
+    read_small_file,
+    sha256_file,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are read: the names above stay light
     import torch
@@ -45,6 +58,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are read: the names above s
 MANIFEST = "checksums.json"
 LATEST = "latest"
 """``SAVE_DIR/latest``: the tag to resume from, moved only once a checkpoint is complete."""
+LATEST_MAX_BYTES = 4096
+"""Largest ``latest`` read: it holds one tag name."""
 TAG_PREFIX = "global_step"
 TRAIN_CONFIG = "train_config.json"
 """Our client state in every tag: step, samples, data position, the index -> module-name map
@@ -68,6 +83,30 @@ class CheckpointError(UserError, RuntimeError):
     """A missing, partial or corrupt checkpoint: the message names the file."""
 
 
+ALLOWED_GLOBALS: dict[str, str] = {
+    "deepspeed.utils.tensor_fragment.fragment_address": (
+        "param_slice_mappings of the bf16 and ZeRO optimizer files: where each parameter lies "
+        "in the flat fp32 partition (a dataclass of two ints)"
+    ),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": (
+        "zero_stage of the fp16 ZeRO optimizer files (an int enum)"
+    ),
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": (
+        "loss_scaler of the fp16 ZeRO optimizer files with a dynamic loss scale (its numbers)"
+    ),
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": (
+        "loss_scaler of the fp16 ZeRO optimizer files with a static loss scale (its number)"
+    ),
+}
+"""The only objects besides tensors, containers, numbers and strings that a checkpoint file
+may hold (what ``torch.load(weights_only=True)`` reads by itself), by qualified name: the
+types DeepSpeed 0.19.8 pickles into the files of an fp32, bf16 or fp16 ZeRO-1 run (fp32 and
+bf16: found by loading real checkpoints, fp32 files need none; fp16, which does not run on a
+CPU: from its ZeRO optimizer's ``state_dict``). Every checkpoint read goes through this list:
+DeepSpeed's load (training/checkpoint_engine.py resolves the names) and ours (which read
+``fragment_address`` into :class:`FragmentAddress`, and no fp16 state)."""
+
+
 # ---- names -----------------------------------------------------------------------------------
 
 
@@ -88,6 +127,21 @@ def tag_step(tag: str) -> int | None:
 def is_tag(name: str) -> bool:
     """Whether ``name`` is a checkpoint tag's name (``global_stepN``)."""
     return tag_step(name) is not None
+
+
+def tag_problem(save_dir: Path, tag: str) -> str | None:
+    """Why ``save_dir/tag`` is not a checkpoint directory to read, None when it is one:
+    ``tag`` a ``global_stepN`` name as :func:`tag_for` writes it (no path, no leading zero, no
+    whitespace, checked before the file system is asked anything), and ``save_dir/tag`` a
+    directory, not a symbolic link (which may lead out of the save_dir)."""
+    if not is_tag(tag):
+        return f"not a checkpoint tag ({TAG_PREFIX}N, N without leading zeros)"
+    tag_dir = Path(save_dir) / tag
+    if tag_dir.is_symlink():
+        return "a symbolic link: a checkpoint is a directory of its save_dir, never a link"
+    if not tag_dir.is_dir():
+        return "not a checkpoint directory"
+    return None
 
 
 def layer_file(index: int) -> str:
@@ -159,7 +213,10 @@ def write_latest(save_dir: Path, tag: str) -> None:
 
 def read_latest(save_dir: Path) -> str | None:
     """The tag ``latest`` names; None for a fresh save_dir; an error when a save_dir with
-    checkpoints has no readable ``latest`` (never a silent fresh start)."""
+    checkpoints has no readable ``latest`` (never a silent fresh start), and when ``latest``
+    names anything but a checkpoint directory of ``save_dir`` (:func:`tag_problem`: a
+    path, a link out of it) or is itself a link. Surrounding whitespace (``echo TAG >
+    latest``) is no part of the name."""
     latest = save_dir / LATEST
     tags = (
         [p for p in save_dir.iterdir() if is_tag(p.name) and p.is_dir()]
@@ -176,11 +233,16 @@ def read_latest(save_dir: Path) -> str | None:
             )
         return None
     try:
-        tag = latest.read_text(encoding="utf-8").strip()
+        tag = (
+            read_small_file(latest, LATEST_MAX_BYTES, follow_symlinks=False).decode("utf-8").strip()
+        )
+    except FileShapeError as exc:
+        raise CheckpointError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{latest}: unreadable: {exc}") from None
-    if not tag or not (save_dir / tag).is_dir():
-        raise CheckpointError(f"{latest}: names {tag!r}, which is not a checkpoint directory")
+    problem = tag_problem(save_dir, tag)
+    if problem:
+        raise CheckpointError(f"{latest}: names {quote(tag)}, {problem}")
     return tag
 
 
@@ -202,17 +264,20 @@ def resume_tag(save_dir: Path) -> tuple[str | None, list[str]]:
 
     ``latest`` names it; a save killed after its manifest but before ``latest`` moved leaves
     a newer complete checkpoint, which is taken instead (with a warning). A ``latest`` that
-    is unreadable or names no directory is an error (:func:`read_latest`), never a fresh
-    start; incomplete checkpoints (killed saves) are never loaded.
+    is unreadable or names anything but a checkpoint directory is an error
+    (:func:`read_latest`), never a fresh start, and so is a newer checkpoint that is a link
+    (:func:`tag_problem`); incomplete checkpoints (killed saves) are never loaded.
     """
     tag = read_latest(save_dir)
     complete, incomplete = checkpoint_tags(save_dir)
     notes = [f"ignoring incomplete checkpoint {save_dir / t} (no {MANIFEST})" for t in incomplete]
     if tag is None:
         return None, notes
-    step = tag_step(tag)
-    newer = [t for t in complete if step is not None and tag_step(t) > step]
+    newer = [t for t in complete if tag_step(t) > tag_step(tag)]
     if newer:
+        problem = tag_problem(save_dir, newer[-1])
+        if problem:
+            raise CheckpointError(f"{save_dir / newer[-1]}: {problem}")
         notes.append(
             f"{save_dir / LATEST} names {tag} but {newer[-1]} is complete (a save stopped "
             f"before moving latest): resuming from {newer[-1]}"
@@ -222,26 +287,127 @@ def resume_tag(save_dir: Path) -> tuple[str | None, list[str]]:
 
 
 def verify_checkpoint(tag_dir: Path) -> dict:
-    """Check every file of a checkpoint against its manifest; returns the manifest."""
+    """Check a checkpoint before anything in it is read; returns its manifest.
+
+    The tag directory must be a real one (:func:`tag_problem`), its ``checksums.json`` of the
+    shape :func:`write_manifest` writes, each file it lists a plain name of the tag (no path,
+    no link) with the listed size and SHA-256, and each torch file among them free of objects
+    a checkpoint never holds (:func:`check_torch_file`). CheckpointError, one line naming the
+    file or the manifest's entry, otherwise.
+    """
+    tag_dir = Path(tag_dir)
+    problem = tag_problem(tag_dir.parent, tag_dir.name)
+    if problem:
+        raise CheckpointError(f"{tag_dir}: {problem}")
     manifest_path = tag_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{manifest_path}: missing: the checkpoint is incomplete")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (ValueError, KeyError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{manifest_path}: corrupt manifest: {exc}") from None
-    for name, info in files.items():
+    if manifest_path.is_symlink():
+        raise CheckpointError(f"{manifest_path}: a symbolic link; a checkpoint's files are its own")
+    manifest = read_json_object(
+        manifest_path, CheckpointError, missing="missing: the checkpoint is incomplete"
+    )
+    for name, (digest, size) in manifest_entries(manifest_path, manifest).items():
         path = tag_dir / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
-        if path.stat().st_size != info["bytes"]:
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})") from None
+        if stat.S_ISLNK(mode):
             raise CheckpointError(
-                f"{path}: {path.stat().st_size} bytes, {info['bytes']} expected (truncated?)"
+                f"{manifest_path}: entry {quote(name)} is a symbolic link; a checkpoint's files "
+                "are its own"
             )
-        if sha256_file(path) != info["sha256"]:
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: not a regular file (listed in {MANIFEST})")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{path}: {actual} bytes, {size} expected (truncated?)")
+        if sha256_file(path) != digest:
             raise CheckpointError(f"{path}: checksum mismatch (corrupt)")
+        if name.endswith(".pt"):
+            check_torch_file(path)
     return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def manifest_entries(manifest_path: Path, manifest: dict) -> dict[str, tuple[str, int]]:
+    """{file name: (hex SHA-256, bytes)} of a checkpoint's manifest (the JSON object of
+    ``manifest_path``), each name a plain file name of the tag: not empty, no ``/``, not
+    ``.`` or ``..``, no NUL. CheckpointError naming the manifest and the key or entry for any
+    other shape; the names are checked as text, no file is touched."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{manifest_path}: {what} (not a manifest the trainer wrote)")
+
+    step = manifest.get("step")
+    if "step" not in manifest or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad(f"key 'step' must be an integer >= 0, got {quote(step)}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise bad(f"key 'files' must be an object of file name -> checksum, got {quote(files)}")
+    out = {}
+    for name, info in files.items():
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise bad(f"entry {quote(name)} is not a plain file name of the tag")
+        if not isinstance(info, dict):
+            raise bad(f"entry {quote(name)} must be an object with sha256 and bytes")
+        digest, size = info.get("sha256"), info.get("bytes")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise bad(f"entry {quote(name)}: sha256 must be 64 hex digits, got {quote(digest)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise bad(f"entry {quote(name)}: bytes must be an integer >= 0, got {quote(size)}")
+        out[name] = (digest, size)
+    return out
+
+
+def check_torch_file(path: Path) -> None:
+    """CheckpointError naming ``path`` when unpickling the torch file would build an object
+    that is not a tensor, container, number, string or one of :data:`ALLOWED_GLOBALS` (read
+    from its pickle's opcodes: nothing is unpickled). Every rank checks every file, so all of
+    them refuse a checkpoint alike before DeepSpeed's load reads any; a file in torch's
+    legacy (non-zip) format is left to that load, which reads with ``weights_only=True`` and
+    refuses the same (training/checkpoint_engine.py)."""
+    import torch
+
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"PK\x03\x04":  # torch's zip format, what every save writes
+            return
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+        raise CheckpointError(f"{path}: not a readable torch file: {one_line(exc, 200)}") from None
+    refused = sorted(set(found) - ALLOWED_GLOBALS.keys())
+    if refused:
+        raise CheckpointError(
+            f"{path}: refused: it would unpickle {', '.join(refused[:3])}, which no checkpoint "
+            "holds (only tensors and a few DeepSpeed types are read)"
+        )
+
+
+def load_torch_file(path: Path, map_location=None, safe_globals: list | tuple = ()) -> object:
+    """A torch file read with ``torch.load(weights_only=True)``: tensors, containers, numbers,
+    strings and the types of ``safe_globals`` (objects, or (object, qualified name) pairs),
+    nothing else is unpickled. CheckpointError naming the file when it holds anything else or
+    cannot be read."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path}: refused: {_weights_only_reason(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
+        raise CheckpointError(f"{path}: cannot read: {one_line(exc, 200)}") from None
+
+
+def _weights_only_reason(exc: BaseException) -> str:
+    """The one paragraph of torch's weights-only refusal that says what was refused."""
+    paragraphs = [p.strip() for p in str(exc).split("\n\n") if p.strip()]
+    said = [p for p in paragraphs if not p.startswith(("Weights only load failed", "Check the"))]
+    return one_line(said[0] if said else exc, 200)
 
 
 def rng_state() -> dict:
@@ -277,6 +443,16 @@ def set_rng_state(state: dict) -> None:
         # one state (this format), or every GPU's (older checkpoints): this rank's own
         own = cuda[0] if len(cuda) == 1 else cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
         torch.cuda.set_rng_state(own)
+
+
+def restore_rng_state(path: Path) -> None:
+    """Restore the RNG state a rank saved in ``path`` (:func:`rng_file`), read with
+    ``weights_only=True``; CheckpointError naming the file when it is not such a state."""
+    state = load_torch_file(path, map_location="cpu")
+    try:
+        set_rng_state(state)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: not an RNG state: {one_line(exc, 200)}") from None
 
 
 # ---- train_config.json -----------------------------------------------------------------------

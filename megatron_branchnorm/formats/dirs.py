@@ -29,9 +29,16 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import FileShapeError, open_regular, read_small_file
 
 MARKER = ".megatron_branchnorm-output.json"
 """Marker file in every directory an entry point creates: {"tool": ..., "kind": ...}."""
+MAX_MARKER_BYTES = 64 << 10
+"""Largest marker read (ours are under 1 KB)."""
+TEMP_MARKER = ".megatron_branchnorm-partial.json"
+"""Marker file in a tool's hidden temporary directory while it writes there: {"tool": ...,
+"output": the name of the directory it will become, "owner": the writing process
+(run_lock.owner_record)}. Removed just before the directory is published."""
 MAX_NAMED = 8
 """How many entries an error names before it says how many more."""
 
@@ -182,10 +189,14 @@ REHEARSAL_RUNS = "runs.json"
 
 
 def read_marker(directory: str | Path) -> dict | None:
-    """The marker of a directory an entry point wrote, or None."""
+    """The marker of a directory an entry point wrote, or None (none, unreadable, not a JSON
+    object). A marker that is not a small regular file (a link, a device, a FIFO, over
+    :data:`MAX_MARKER_BYTES`) was not written by us: a :class:`DirectoryError` naming it."""
     path = Path(directory) / MARKER
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_small_file(path, MAX_MARKER_BYTES, follow_symlinks=False))
+    except FileShapeError as exc:
+        raise DirectoryError(f"{exc}: not a marker this project wrote") from None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -197,15 +208,32 @@ def write_marker(directory: str | Path, tool: str, kind: str) -> None:
     path.write_text(json.dumps({"tool": tool, "kind": kind}) + "\n", encoding="utf-8")
 
 
+def write_temp_marker(directory: str | Path, tool: str, output: str, owner: dict) -> None:
+    """Mark the temporary directory ``directory`` as ``tool``'s, becoming ``output`` (a name
+    beside it), written by the process ``owner`` describes."""
+    path = Path(directory) / TEMP_MARKER
+    record = {"tool": tool, "output": output, "owner": owner}
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+
+
+def read_temp_marker(directory: str | Path) -> dict | None:
+    """The :data:`TEMP_MARKER` of a temporary directory, or None (none, or not a small JSON
+    object in a regular file: not one of ours)."""
+    try:
+        data = json.loads(
+            read_small_file(Path(directory) / TEMP_MARKER, MAX_MARKER_BYTES, follow_symlinks=False)
+        )
+    except (OSError, ValueError):  # FileShapeError too
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def json_has_format(path: str | Path, fmt: str, max_bytes: int) -> bool:
     """Whether ``path`` is a JSON object of at most ``max_bytes`` whose ``format`` is ``fmt``:
     how an output written before markers existed is recognised as ours."""
-    path = Path(path)
     try:
-        if path.stat().st_size > max_bytes:
-            return False
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(read_small_file(path, max_bytes))
+    except (OSError, ValueError):  # FileShapeError too: a device or FIFO is not ours
         return False
     return isinstance(data, dict) and data.get("format") == fmt
 
@@ -221,12 +249,10 @@ def _legacy_run(path: Path) -> str | None:
     """The file that shows ``path`` to be a run of ours written before markers, or None:
     ``latest`` naming a ``global_stepN``, a ``global_stepN`` with our checksums or training
     config, or a ``metrics.jsonl`` whose first row is a JSON object with a ``step``."""
-    latest = path / "latest"
     try:
-        if latest.is_file() and latest.stat().st_size < 256:
-            if _TAG.match(latest.read_text(encoding="utf-8").strip()):
-                return "latest"
-    except (OSError, ValueError):
+        if _TAG.match(read_small_file(path / "latest", 256).decode("utf-8").strip()):
+            return "latest"
+    except (OSError, ValueError):  # FileShapeError too: not a file of ours
         pass
     try:
         tags = [p for p in path.iterdir() if _TAG.match(p.name) and p.is_dir()]
@@ -237,8 +263,8 @@ def _legacy_run(path: Path) -> str | None:
             if (tag / name).is_file():
                 return f"{tag.name}/{name}"
     try:
-        with open(path / "metrics.jsonl", encoding="utf-8", errors="replace") as fh:
-            row = json.loads(fh.readline(1 << 16))
+        with open_regular(path / "metrics.jsonl") as fh:  # a FIFO would block open()
+            row = json.loads(fh.readline(1 << 16).decode("utf-8", errors="replace"))
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             return "metrics.jsonl"
     except (OSError, ValueError):
@@ -282,6 +308,18 @@ def recognise(path: str | Path) -> tuple[str, str] | None:
         evidence = found(path)
         if evidence is not None:
             return kind, evidence
+    return None
+
+
+def enclosing_kind(path: str | Path) -> tuple[Path, str, str] | None:
+    """``(directory, kind, evidence)`` of the nearest directory above ``path`` that
+    :func:`recognise` knows (a file there belongs to that kind's tool), or None. Links are
+    followed: it is where a write to ``path`` lands."""
+    for parent in Path(path).resolve().parents:
+        if parent.is_dir():
+            found = recognise(parent)
+            if found is not None:
+                return parent, found[0], found[1]
     return None
 
 

@@ -1,13 +1,21 @@
 """What the format owners share: reading and writing our own small JSON files with one-line
 errors naming the file, a file's SHA-256, and the one-line and quoting rules of every error
-message (``cli`` uses the same)."""
+message (``cli`` uses the same).
+
+A small file a user may hand us (a marker, ``latest``, a manifest, ``best.json``) is read with
+:func:`read_small_file`: only a regular file, at most a given size. A device (a marker linked to
+``/dev/zero``) would otherwise be read without end, and a FIFO would block the reader forever."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
+
+from megatron_branchnorm.errors import UserError
 
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON file of ours read (train_config.json, manifest.json: a few KB to a few MB)."""
@@ -39,17 +47,70 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+class FileShapeError(UserError, ValueError):
+    """A file we read that is not a regular file (a device, a FIFO, a directory, a link where
+    none is allowed) or is larger than its kind ever is: one line naming it."""
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _size_text(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
+def open_regular(path: str | Path, follow_symlinks: bool = True) -> BinaryIO:
+    """``path`` opened for binary reading, only if it is a regular file (with
+    ``follow_symlinks`` False, not a symbolic link either): a :class:`FileShapeError` naming it
+    otherwise. Never blocks on a FIFO. A missing or unreadable file is the ``OSError``."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        if Path(path).is_symlink():
+            raise FileShapeError(f"{path}: a symbolic link, not a regular file")
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+            raise FileShapeError(f"{path}: {what}, not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_small_file(path: str | Path, max_bytes: int, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file ``path`` of at most ``max_bytes`` (a marker, ``latest``, a
+    JSON record of ours): a :class:`FileShapeError` naming it for anything else (a device, a
+    FIFO, a directory, a larger file; with ``follow_symlinks`` False a symbolic link), never an
+    unbounded read. A missing or unreadable file is the ``OSError``."""
+    with open_regular(path, follow_symlinks) as fh:
+        if os.fstat(fh.fileno()).st_size > max_bytes:
+            raise FileShapeError(f"{path}: larger than {_size_text(max_bytes)}; not ours")
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew while we read it
+        raise FileShapeError(f"{path}: larger than {_size_text(max_bytes)}; not ours")
+    return data
+
+
 def read_json_object(
     path: Path, error: type[Exception], missing: str = "missing", max_bytes: int = MAX_JSON_BYTES
 ) -> dict:
     """The JSON object in ``path``; ``error`` with one line naming the file otherwise
     (``missing`` says what a missing file means)."""
     try:
-        if path.stat().st_size > max_bytes:
-            raise error(f"{path}: larger than {max_bytes >> 20} MiB; not ours")
-        text = path.read_text(encoding="utf-8")
+        text = read_small_file(path, max_bytes).decode("utf-8")
     except FileNotFoundError:
         raise error(f"{path}: {missing}") from None
+    except FileShapeError as exc:
+        raise error(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise error(f"{path}: unreadable ({one_line(reason)})") from None

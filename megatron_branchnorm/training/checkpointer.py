@@ -22,6 +22,7 @@ from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.partition import engine_param_to_flat_key, pipe_to_flat_key, spec_names
 from megatron_branchnorm.training import collectives
+from megatron_branchnorm.training.checkpoint_engine import install_checkpoint_engine
 from megatron_branchnorm.training.data import TrainStream
 from megatron_branchnorm.training.ds_config import precision_of
 from megatron_branchnorm.training.state import TrainState
@@ -70,6 +71,7 @@ class Checkpointer:
         self.rank, self.world = rank, world
         self.dp = world // cfg.pipeline.stages
         self.engine, self.module = engine, engine.module
+        install_checkpoint_engine(engine, cfg.train.deepspeed_config)  # loads weights only
         self.optimizer, self.scheduler = optimizer, scheduler
         self.stream = stream
         self.parts = parts
@@ -241,8 +243,10 @@ class Checkpointer:
 
     def resume(self) -> None:
         """Resume from the newest complete checkpoint (``latest``, or a complete one newer than
-        it), verified against its checksums; an unreadable ``latest`` is an error. Sets the
-        state's step and samples; nothing changes when there is no checkpoint."""
+        it), verified against its checksums; an unreadable ``latest`` is an error. Every file
+        is read with ``weights_only=True`` (DeepSpeed's through the engine's checkpoint engine,
+        training/checkpoint_engine.py). Sets the state's step and samples; nothing changes
+        when there is no checkpoint."""
         tag, notes = ckpt.resume_tag(self.save_dir)
         for note in notes:
             self.log(f"warning: {note}")
@@ -270,7 +274,7 @@ class Checkpointer:
         self.stream.load_state_dict(client["sampler"])
         rng_path = ckpt.rng_file(tag_dir, self.rank)
         if rng_path.is_file():
-            ckpt.set_rng_state(torch.load(rng_path, weights_only=True))
+            ckpt.restore_rng_state(rng_path)
         else:
             self.log(f"warning: {rng_path} missing (different world size): RNG not restored")
         if self.scheduler.last_epoch != self.state.step:
