@@ -23,6 +23,7 @@ import contextlib
 import errno
 import math
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -31,8 +32,9 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
+from megatron_branchnorm import run_lock
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.files import one_line, quote  # noqa: F401 - commands use cli.quote
@@ -199,25 +201,98 @@ def claim_output_dir(
     return out
 
 
-def temp_dir_beside(out: Path) -> Path:
-    """A fresh temporary directory next to ``out`` (same file system, so the final rename is
-    atomic), named after it and this process; an OSError if it cannot be made."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+def _temp_prefix(out: Path) -> str:
+    """The start of the name of every temporary beside ``out`` (``.NAME.tmp-``)."""
+    return f".{out.name}.tmp-"
+
+
+def make_temp_dir(out: Path, tool: str) -> Path:
+    """A new hidden temporary directory beside ``out`` (``.NAME.tmp-PID-XXXX``) carrying
+    :data:`dirs.TEMP_MARKER`: this process as its owner, ``out``'s name and ``tool``. Nothing
+    already there is touched."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out)}{os.getpid()}-", dir=out.parent))
+    try:
+        dirs.write_temp_marker(tmp, tool, out.name, run_lock.owner_record())
+    except BaseException:  # a full disk, Ctrl-C: nothing of ours stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
+def remove_dead_temp_dirs(out: Path) -> list[str]:
+    """Remove the temporary directories beside ``out`` that runs writing ``out`` left when
+    they died: only directories carrying :data:`dirs.TEMP_MARKER` for ``out`` whose owner was
+    a process of this host that no longer runs (or whose pid now belongs to another process).
+    A live run's, another host's and anything without the marker stay. Returns one line per
+    directory removed: its name, size and why."""
+    me = run_lock.owner_record()
+    prefix = _temp_prefix(out)
+    try:
+        found = sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+    removed = []
+    for tmp in found:
+        if tmp.is_symlink() or not tmp.is_dir():
+            continue
+        info = dirs.read_temp_marker(tmp)
+        owner = info.get("owner") if info is not None and info.get("output") == out.name else None
+        if not isinstance(owner, dict) or owner.get("host") != me["host"]:
+            continue
+        holder = {key: owner.get(key) for key in ("host", "pid", "pid_start")}
+        if (holder["pid"], holder["pid_start"]) == (me["pid"], me["pid_start"]):
+            continue  # this process's own: in use
+        reason = run_lock.stale_reason(holder, 0.0, me)
+        if reason is None:
+            continue
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(tmp)
+        removed.append(f"{tmp.name} ({size / 1e6:.1f} MB; {reason})")
+    return removed
+
+
+def temp_dir_beside(out: Path, tool: str) -> Path:
+    """A fresh temporary directory next to ``out`` (same file system, so the final rename is
+    atomic) for ``tool`` to write ``out`` into (:func:`make_temp_dir`: marked as this
+    process's, nothing already there touched). The temporary directories that dead runs of
+    ``out`` left are removed first, said in one line on stderr (:func:`remove_dead_temp_dirs`:
+    never a live run's or an unmarked one). An OSError if it cannot be made; :func:`publish_dir`
+    removes the mark."""
+    removed = remove_dead_temp_dirs(out)
+    if removed:
+        print(f"removed what dead runs of {out} left: {', '.join(removed)}", file=sys.stderr)
+    return make_temp_dir(out, tool)
+
+
+def open_temp_file_beside(out: Path) -> tuple[Path, BinaryIO]:
+    """A new file next to ``out`` (``.NAME.tmp-PID-XXXXXXXX``), open for binary writing:
+    created exclusively with the usual permissions, so nothing already at a name (a user's
+    file, a link) is opened, followed or replaced."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = out.parent / f"{_temp_prefix(out)}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        return tmp, os.fdopen(fd, "wb")
+
+
 def publish_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory ``tmp`` to ``out``; an existing ``out``
-    (checked by :func:`prepare_output`) is moved aside first and removed only once the new
-    one is in place."""
+    """Rename the finished temporary directory ``tmp`` (its :data:`dirs.TEMP_MARKER` removed)
+    to ``out``; an existing ``out`` (checked by :func:`prepare_output`) is moved aside to a
+    new name first and removed only once the new one is in place."""
+    (tmp / dirs.TEMP_MARKER).unlink(missing_ok=True)
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+        try:
+            os.replace(out, old)  # onto the new empty directory: nothing else is replaced
+        except BaseException:
+            old.rmdir()
+            raise
     try:
         os.replace(tmp, out)
     except BaseException:
@@ -382,19 +457,21 @@ def write_text_output(path: str | Path, text: str) -> None:
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(out)) from None
         return
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        tmp, f = open_temp_file_beside(out)
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror, str(out)) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import FileShapeError, read_small_file
 
 DIVERGED = "diverged"
 """How the paper prints a run that diverged."""
@@ -254,10 +255,16 @@ def published_rows(task: str) -> dict[str, dict[str, str]]:
     return {s: {str(d): v for d, v in row.items()} for s, row in get_task(task).rows.items()}
 
 
+MAX_PUBLISHED_BYTES = 1 << 20
+"""Largest published-figures file read (a table: a few KB)."""
+
+
 def read_published(path: str | Path) -> dict[str, dict[str, str]]:
     """A published-figures JSON file ``{"scheme": {"depth": value}}``, values as strings."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_small_file(path, MAX_PUBLISHED_BYTES))
+    except FileShapeError as exc:  # a FIFO, a device, a huge file: never read without bound
+        raise PaperError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise PaperError(f"{path}: {exc}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):

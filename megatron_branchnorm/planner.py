@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from megatron_branchnorm.cli import MAX_INT
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import MAX_JSON_BYTES, FileShapeError, read_small_file
 from megatron_branchnorm.partition import partition_plan, spec_entries
 from megatron_branchnorm.resources import find_ds_config
 
@@ -143,7 +144,9 @@ def precision_from_ds_config(path: str) -> Precision:
         what = "not a file" if p.exists() else "no such file"
         raise ConfigError(f"{key}: {path}: {what}")
     try:
-        ds = json.loads(p.read_text(encoding="utf-8"))
+        ds = json.loads(read_small_file(p, MAX_JSON_BYTES))
+    except FileShapeError as exc:  # a FIFO, a device, a huge file: never read without bound
+        raise ConfigError(f"{key}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{key}: {p}: cannot read ({exc.strerror or exc})") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError

@@ -1,8 +1,11 @@
 """Training curves from ``metrics.jsonl``: loss and validation loss, gradient norm, learning
-rate and BranchNorm alpha against the update step, several runs overlaid (PNG, matplotlib).
+rate and BranchNorm alpha against the update step, several runs overlaid (PNG, PDF or SVG,
+matplotlib).
 
 Used by ``commands/plot.py`` (``tools/plot_training.py``) and by the demo
-(``megatron_branchnorm/workflows/demo.py``).
+(``megatron_branchnorm/workflows/demo.py``). Every figure carries :data:`CREATOR` in its
+metadata (PNG ``Software``, PDF and SVG ``Creator``), which is how :func:`is_our_plot` tells a
+plot of ours, the only existing file ``plot_training.py`` replaces without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.cli import open_temp_file_beside
+from megatron_branchnorm.formats.files import open_regular
 from megatron_branchnorm.formats.records import MetricsFileError, read_metrics
 
 # (metric key, panel title, log-scale y axis when the values span more than 20x)
@@ -23,7 +28,42 @@ PANELS: tuple[tuple[str, str, bool], ...] = (
 
 
 PlotError = MetricsFileError
-"""A run directory without usable metrics, or labels that do not match the runs: one line."""
+"""A run directory without usable metrics, labels that do not match the runs, an output of a
+format we do not write: one line."""
+
+FORMATS = {"png": "Software", "pdf": "Creator", "svg": "Creator"}
+"""The formats a plot is written in (by the output's extension), each with the metadata key
+that carries :data:`CREATOR`."""
+CREATOR = "megatron_branchnorm plot_training"
+"""What every plot of ours says made it (:func:`is_our_plot`)."""
+_LOOK_BYTES = 64 << 10
+"""How much of each end of a file :func:`is_our_plot` reads: the PNG text chunk and the SVG
+metadata come first, the PDF information dictionary last."""
+
+
+def plot_format(output: str | Path) -> str:
+    """The format of the plot ``output`` (its extension: png, pdf or svg); a PlotError naming
+    it otherwise."""
+    fmt = Path(output).suffix.lower().removeprefix(".")
+    if fmt not in FORMATS:
+        got = f"its extension {Path(output).suffix!r}" if fmt else "it has no extension"
+        raise PlotError(f"--output {output}: {got} is not a format we plot ({', '.join(FORMATS)})")
+    return fmt
+
+
+def is_our_plot(path: Path) -> bool:
+    """Whether the regular file ``path`` is a plot we wrote (:data:`CREATOR` in its
+    metadata); only its two ends are read."""
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(_LOOK_BYTES)
+            size = fh.seek(0, 2)
+            fh.seek(max(size - _LOOK_BYTES, len(head)))
+            tail = fh.read(_LOOK_BYTES)
+    except (OSError, ValueError):  # FileShapeError too: a device or FIFO is not ours
+        return False
+    tag = CREATOR.encode()
+    return tag in head or tag in tail
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -40,7 +80,11 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
 def plot_runs(
     run_dirs: list[str | Path], output: str | Path, labels: list[str] | None = None
 ) -> Path:
-    """Write one PNG with a panel per metric (PANELS), each run in its own colour; returns it."""
+    """Write one figure with a panel per metric (PANELS), each run in its own colour, in the
+    format of ``output``'s extension (:data:`FORMATS`); returns it. Written to a new temporary
+    file beside ``output`` renamed when complete (an existing device or FIFO is written in
+    place, never replaced)."""
+    fmt = plot_format(output)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,9 +131,21 @@ def plot_runs(
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
+    if out.exists() and not out.is_file():  # a device or FIFO: written in place, never replaced
+        try:
+            with open(out, "wb") as fh:
+                fig.savefig(fh, format=fmt, dpi=100, metadata={FORMATS[fmt]: CREATOR})
+        finally:
+            plt.close(fig)
+        return out
+    tmp, fh = open_temp_file_beside(out)
+    try:
+        with fh:
+            fig.savefig(fh, format=fmt, dpi=100, metadata={FORMATS[fmt]: CREATOR})
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
+from megatron_branchnorm.formats.files import FileShapeError, read_small_file
 
 LOCK_NAME = dirs.RUN_LOCK
 HEARTBEAT_S = 60.0
@@ -177,10 +178,12 @@ class RunLock:
 
     def _read(self) -> tuple[dict, float] | None:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = read_small_file(self.path, dirs.MAX_MARKER_BYTES, follow_symlinks=False)
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:
             return None
+        except FileShapeError as exc:  # a FIFO would block, a device read without end
+            raise LockError(f"{exc}: not a lock of ours; remove it if no run uses it") from None
         try:
             holder = json.loads(text)
         except ValueError:

@@ -47,7 +47,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -59,13 +58,15 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from megatron_branchnorm import run_lock
 from megatron_branchnorm.cli import (
     OutputError,
     check_output_file,
     json_has_format,
+    make_temp_dir,  # noqa: F401 - the staging's parts, imported from here by tests
     prepare_output,
     publish_dir,
+    remove_dead_temp_dirs,  # noqa: F401
+    temp_dir_beside,
     write_failure_reason,
     write_marker,
     write_text_output,
@@ -214,56 +215,6 @@ def write_failure(exc: BaseException, out: Path, flag: str = "--output") -> Data
     return DataError(f"{flag} {out}: cannot write ({write_failure_reason(exc)})")
 
 
-def _temp_prefix(out: Path) -> str:
-    return f".{out.name}.tmp-"
-
-
-def make_temp_dir(out: Path, tool: str) -> Path:
-    """A new hidden temporary directory beside ``out`` (``.NAME.tmp-PID-XXXX``) carrying
-    :data:`dirs.TEMP_MARKER`: this process as its owner, ``out``'s name and ``tool``. Nothing
-    already there is touched."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out)}{os.getpid()}-", dir=out.parent))
-    try:
-        dirs.write_temp_marker(tmp, tool, out.name, run_lock.owner_record())
-    except BaseException:  # a full disk, Ctrl-C: nothing of ours stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp
-
-
-def remove_dead_temp_dirs(out: Path) -> list[str]:
-    """Remove the temporary directories beside ``out`` that runs writing ``out`` left when
-    they died: only directories carrying :data:`dirs.TEMP_MARKER` for ``out`` whose owner was
-    a process of this host that no longer runs (or whose pid now belongs to another process).
-    A live run's, another host's and anything without the marker stay. Returns one line per
-    directory removed: its name, size and why."""
-    me = run_lock.owner_record()
-    prefix = _temp_prefix(out)
-    try:
-        found = sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix))
-    except OSError:
-        return []
-    removed = []
-    for tmp in found:
-        if tmp.is_symlink() or not tmp.is_dir():
-            continue
-        info = dirs.read_temp_marker(tmp)
-        owner = info.get("owner") if info is not None and info.get("output") == out.name else None
-        if not isinstance(owner, dict) or owner.get("host") != me["host"]:
-            continue
-        holder = {key: owner.get(key) for key in ("host", "pid", "pid_start")}
-        if (holder["pid"], holder["pid_start"]) == (me["pid"], me["pid_start"]):
-            continue  # this process's own: in use
-        reason = run_lock.stale_reason(holder, 0.0, me)
-        if reason is None:
-            continue
-        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(tmp)
-        removed.append(f"{tmp.name} ({size / 1e6:.1f} MB; {reason})")
-    return removed
-
-
 @contextmanager
 def staged_output(
     out: Path,
@@ -274,16 +225,13 @@ def staged_output(
     legacy: Callable[[Path], bool] | None = None,
 ) -> Iterator[Path]:
     """A hidden temporary directory beside ``out`` for a data tool to write into
-    (:func:`make_temp_dir`; temporary directories of dead runs of ``out`` are removed first,
-    with one line on stderr). When the block ends, it gets the marker of ``kind`` and
+    (:func:`cli.temp_dir_beside`; temporary directories of dead runs of ``out`` are removed
+    first, with one line on stderr). When the block ends, it gets the marker of ``kind`` and
     replaces ``out`` (checked again to be ours to replace: nothing else appeared there
     meanwhile); when the block fails, it is removed, an OSError becoming a DataError that
     names ``out``. So an interrupted tool never leaves a directory that looks complete."""
     try:
-        removed = remove_dead_temp_dirs(out)
-        if removed:
-            print(f"removed what dead runs of {out} left: {', '.join(removed)}", file=sys.stderr)
-        tmp = make_temp_dir(out, tool)
+        tmp = temp_dir_beside(out, tool)
     except OSError as exc:
         raise write_failure(exc, out) from None
     try:

@@ -18,10 +18,12 @@ task's recipe config of its depth (``CONFIG=<task>_<N>L``: its topology and batc
 slurm/recipe.sh unless ``--launcher`` names another, and sweep.json records the task.
 
 ``table`` reads each cell's run: the best validation BLEU of the companion
-(``valid_bleu.jsonl``, tools/watch_bleu.py), or with ``--metric valid_loss`` the last
-validation loss; "diverged" where the run diverged, decided from its metrics.jsonl alone: a
-training loss that is not finite, or a run that stopped on ``train.max_consecutive_skips``
-non-finite updates in a row (its last row is a skipped update).
+(``valid_bleu.jsonl``, tools/watch_bleu.py) among the checkpoints on disk, each scored as it
+is now (retention's rule: a score of a checkpoint that a resume rewrote never counts), or
+with ``--metric valid_loss`` the last validation loss; "diverged" where the run diverged,
+decided from its metrics.jsonl alone: a training loss that is not finite, or a run that stopped
+on ``train.max_consecutive_skips`` non-finite updates in a row (its last row is a skipped
+update).
 
 The paper's published BLEU ship with the package (megatron_branchnorm/paper.py): a sweep
 submitted with ``--task`` shows its task's column beside each depth of ours; ``--paper`` alone
@@ -42,6 +44,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm import retention
 from megatron_branchnorm.cli import (
     ArgumentParser,
     check_output_file,
@@ -52,8 +55,11 @@ from megatron_branchnorm.cli import (
 )
 from megatron_branchnorm.config import CONFIG_DIR
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.records import read_metrics, valid_bleus
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.files import FileShapeError, read_small_file
+from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.paper import (
+    MAX_PUBLISHED_BYTES,
     TASKS,
     PaperError,
     format_cell,
@@ -174,9 +180,9 @@ def read_sweep(path: Path) -> dict[str, Any]:
         return SweepError(f"{path}: not a sweep registry ({why}); restore it or submit anew")
 
     try:
-        if path.stat().st_size > MAX_SWEEP_BYTES:
-            raise damaged(f"over {MAX_SWEEP_BYTES:,} bytes")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_small_file(path, MAX_SWEEP_BYTES))
+    except FileShapeError as exc:  # a FIFO, a device, a larger file: never read whole
+        raise damaged(str(exc).removeprefix(f"{path}: ")) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise damaged(f"invalid JSON: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), dict):
@@ -217,12 +223,24 @@ def diverged(save_dir: Path) -> bool:
     return bool(rows) and bool(rows[-1].get("skipped"))
 
 
+def ranked_bleus(save_dir: Path) -> dict[int, float]:
+    """Validation BLEU by step of the checkpoints now in ``save_dir``, by the rule that ranks
+    them for retention (:func:`retention.read_scores`): only a dev-split row that scored the
+    checkpoint now at its step (its checkpoint id), under one scoring. A score of a checkpoint
+    that a resume rewrote since, or that retention removed, never counts (keep_best keeps the
+    best on disk)."""
+    complete, _ = ckpt.checkpoint_tags(save_dir)
+    return retention.read_scores(
+        save_dir, "valid_bleu", retention.checkpoint_ids(save_dir, complete)
+    )
+
+
 def cell_result(save_dir: Path, metric: str) -> dict[str, Any]:
     """{"status": "diverged" | "no result" | "ok", "value", "step"} of one run."""
     if diverged(save_dir):
         return {"status": "diverged", "value": None, "step": None}
     if metric == "valid_bleu":
-        scores = valid_bleus(save_dir)
+        scores = ranked_bleus(save_dir)
         if scores:
             step = max(scores, key=lambda s: (scores[s], -s))
             return {"status": "ok", "value": scores[step], "step": step}
@@ -316,7 +334,7 @@ def paper_figures(
         raise SweepError(f"--paper {name}: neither a task ({', '.join(TASKS)}) nor a file")
     try:
         figures = read_published(name)
-        raw = json.loads(Path(name).read_text(encoding="utf-8"))
+        raw = json.loads(read_small_file(name, MAX_PUBLISHED_BYTES))
     except PaperError as exc:
         raise SweepError(f"--paper {exc}") from None
     except (OSError, ValueError) as exc:

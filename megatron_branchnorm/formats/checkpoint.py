@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import (
+    MAX_JSON_BYTES,
     FileShapeError,
     one_line,
     quote,
@@ -200,8 +201,14 @@ def checkpoint_id(tag_dir: Path) -> str:
     """What a complete checkpoint is, not where it lies: the hex SHA-256 of its
     ``checksums.json``, which lists every file's checksum. A tag rewritten with other contents
     (a rollback trained again) gets another id; the same bytes saved again get the same one.
-    OSError (no manifest: incomplete or removed) propagates."""
-    return hashlib.sha256((Path(tag_dir) / MANIFEST).read_bytes()).hexdigest()
+    OSError (no manifest: incomplete or removed) propagates; a manifest that is not a regular
+    file of at most :data:`MAX_JSON_BYTES` (a link, a FIFO, a device) is a CheckpointError."""
+    path = Path(tag_dir) / MANIFEST
+    try:
+        data = read_small_file(path, MAX_JSON_BYTES, follow_symlinks=False)
+    except FileShapeError as exc:
+        raise CheckpointError(str(exc)) from None
+    return hashlib.sha256(data).hexdigest()
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

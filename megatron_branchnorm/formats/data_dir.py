@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import quote, read_json_object, sha256_file
+from megatron_branchnorm.formats.files import quote, read_json_file, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_branchnorm-data"
@@ -146,7 +146,7 @@ def read_data_manifest(data_dir: str | Path) -> DataManifest:
     """``DATA_DIR/manifest.json``, checked; :class:`DataError` naming the file and key."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
-    data = read_json_object(
+    data, raw = read_json_file(
         path,
         DataError,
         missing=f"missing; {data_dir} is not a preprocessed DATA_DIR (run tools/preprocess_data.py)",
@@ -176,6 +176,6 @@ def read_data_manifest(data_dir: str | Path) -> DataManifest:
         languages=tuple(langs),
         spm_model=spm,
         pivot=pivot,
-        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        sha256=hashlib.sha256(raw).hexdigest(),  # of the bytes parsed, read once
         raw=MappingProxyType(data),
     )

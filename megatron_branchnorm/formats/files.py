@@ -105,8 +105,17 @@ def read_json_object(
 ) -> dict:
     """The JSON object in ``path``; ``error`` with one line naming the file otherwise
     (``missing`` says what a missing file means)."""
+    return read_json_file(path, error, missing, max_bytes)[0]
+
+
+def read_json_file(
+    path: Path, error: type[Exception], missing: str = "missing", max_bytes: int = MAX_JSON_BYTES
+) -> tuple[dict, bytes]:
+    """The JSON object in ``path`` and the bytes it was parsed from (one read: to hash what
+    was parsed); errors as :func:`read_json_object`."""
     try:
-        text = read_small_file(path, max_bytes).decode("utf-8")
+        raw = read_small_file(path, max_bytes)
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise error(f"{path}: {missing}") from None
     except FileShapeError as exc:
@@ -120,7 +129,7 @@ def read_json_object(
         raise error(f"{path}: not valid JSON ({one_line(exc)})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: not a JSON object")
-    return data
+    return data, raw
 
 
 def write_json_atomic(path: Path, data: object, **dumps) -> None:

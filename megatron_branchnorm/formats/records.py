@@ -25,18 +25,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import read_json_object, write_json_atomic
+from megatron_branchnorm.formats.files import (
+    FileShapeError,
+    open_regular,
+    read_json_object,
+    write_json_atomic,
+)
 
 METRICS_FILE = "metrics.jsonl"
 BLEU_FILE = "valid_bleu.jsonl"
 """Validation BLEU of each checkpoint, written by the companion process
 (megatron_branchnorm/inference/valid_bleu.py), never by the trainer: each file has one writer."""
 BEST_FILE = "best.json"
+MAX_RECORD_FILE_BYTES = 1 << 30
+"""Largest record file read: a long run's ``metrics.jsonl`` holds tens of MB (a row of a few
+hundred bytes per logged update); a larger file (a device, a huge file put there) is refused."""
+MAX_RECORD_LINE_BYTES = 1 << 20
+"""Longest line read as a row (a row is at most a few KB); a longer one is a bad line, read in
+pieces and never held whole."""
 
 
 RESUME_KEY = "resumed_from"
@@ -66,27 +78,67 @@ def read_rows(
     with a ``step`` (the last line of a killed run, cut short), or a resume marker whose step
     is not a whole number, is skipped. ``strict``: those are :class:`MetricsFileError`, as is
     a file without rows; but for a killed run's last line that a restart's resume marker
-    follows (what a kill leaves, kept: the file is only appended to)."""
+    follows (what a kill leaves, kept: the file is only appended to).
+
+    Either way the file is read line by line, only when it is a regular file of at most
+    :data:`MAX_RECORD_FILE_BYTES` (a FIFO, a device or a larger file is a
+    :class:`MetricsFileError`, never a blocked or unbounded read); a line longer than
+    :data:`MAX_RECORD_LINE_BYTES` is a bad line."""
     path = metrics_path(save_dir, name)
     try:
-        text = path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
+        fh = open_regular(path)
     except FileNotFoundError:
         if strict:
             raise MetricsFileError(f"{path}: missing (not a training run directory?)") from None
         return []
-    except UnicodeDecodeError as exc:
-        raise MetricsFileError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except FileShapeError as exc:
+        raise MetricsFileError(str(exc)) from None
     except OSError:
         if strict:
             raise
         return []
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_RECORD_FILE_BYTES:
+            raise MetricsFileError(
+                f"{path}: {size:,} bytes, more than the {MAX_RECORD_FILE_BYTES >> 30} GiB a "
+                "record file of a run ever holds; not ours"
+            )
+        return _parse_rows(path, _lines(fh), strict)
+
+
+def _lines(fh: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``fh``, read one at a time; None for a line longer than
+    :data:`MAX_RECORD_LINE_BYTES` (never held whole: not a row of ours)."""
+    while line := fh.readline(MAX_RECORD_LINE_BYTES + 1):
+        if len(line) > MAX_RECORD_LINE_BYTES and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = fh.readline(MAX_RECORD_LINE_BYTES)
+            yield None
+        else:
+            yield line
+
+
+def _load_line(raw: bytes | None, strict: bool) -> Any:
+    """The JSON value of one line (None: a line too long to be a row, a ValueError)."""
+    if raw is None:
+        raise ValueError(f"a line longer than {MAX_RECORD_LINE_BYTES >> 20} MiB")
+    return json.loads(raw.decode("utf-8", errors="strict" if strict else "replace"))
+
+
+def _parse_rows(path: Path, lines: Iterable[bytes | None], strict: bool) -> list[dict[str, Any]]:
+    """:func:`read_rows`'s rules applied to the lines of ``path``."""
     rows = []
     cut: MetricsFileError | None = None  # strict: a bad line, an error unless a marker follows
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    for lineno, raw in enumerate(lines, 1):
+        if raw is not None and not raw.strip():
             continue
         try:
-            row = json.loads(line)
+            row = _load_line(raw, strict)
+        except UnicodeDecodeError as exc:
+            raise MetricsFileError(
+                f"{path}: not UTF-8 text ({exc.reason}, line {lineno})"
+            ) from None
         except ValueError:
             if cut is not None:
                 raise cut from None

@@ -439,7 +439,8 @@ def repartition_checkpoint(
     import os
     import shutil
 
-    from megatron_branchnorm.cli import refuse_overlap
+    from megatron_branchnorm.cli import refuse_overlap, temp_dir_beside
+    from megatron_branchnorm.formats.dirs import TEMP_MARKER
 
     save_dir, out_dir = Path(save_dir), Path(out_dir)
     refuse_overlap(out_dir, [("--checkpoint", save_dir)], "--output")
@@ -461,11 +462,9 @@ def repartition_checkpoint(
         parts = partition_plan(cfg.model, stages, method)
     except ConfigError as exc:
         raise ConvertError(f"--repartition {stages}: {one_line(str(exc), 300)}") from None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir_beside(out_dir, "convert_checkpoint")  # marked: never another's removed
     try:
-        (tmp / tag).mkdir(parents=True)
+        (tmp / tag).mkdir()
         names = ckpt.saved_spec_names(src, info)
         master = read_master_weights(src, names)  # bf16: the optimizer files stay behind
         for path in src.iterdir():
@@ -485,6 +484,7 @@ def repartition_checkpoint(
         ckpt.write_train_config(tmp / tag, info)
         ckpt.write_manifest(tmp / tag, int(info["step"]))
         ckpt.write_latest(tmp, tag)
+        (tmp / TEMP_MARKER).unlink()
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

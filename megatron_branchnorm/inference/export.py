@@ -48,8 +48,10 @@ from megatron_branchnorm.config import model_config_from_dict as parse_model_con
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.checkpoint import sha256_file
+from megatron_branchnorm.formats.files import FileShapeError, read_json_object, read_small_file
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
+from megatron_branchnorm.yaml_io import MAX_BYTES as YAML_MAX_BYTES
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 WEIGHTS = "model.safetensors"
@@ -67,6 +69,8 @@ model.safetensors (nothing there bounds them) but built at load time, max_positi
 hidden_size each."""
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 """safetensors dtypes a weight of the model may be stored in."""
+MAX_META_BYTES = 1 << 20
+"""Largest ``export.json`` read (a few hundred bytes: the format, the step and the hashes)."""
 _LAYER_NAME = re.compile(r"^(encoder_layers|decoder_layers)\.(\d+)\.(.+)$")
 
 
@@ -162,7 +166,7 @@ def save_export(
     exported = model if scheme in (Scheme.PRELN, Scheme.POSTLN) else fold_to_postln(model)
 
     try:
-        tmp = temp_dir_beside(out_dir)
+        tmp = temp_dir_beside(out_dir, EXPORT_TOOL)
     except OSError as exc:
         raise write_failure(exc, out_dir, "export") from None
     try:
@@ -217,13 +221,10 @@ def model_config_from_dict(data: Any, where: str) -> ModelConfig:
 
 def _read_meta(export_dir: Path) -> dict[str, Any]:
     path = export_dir / META
-    if not path.is_file():
-        raise ExportError(f"{path}: missing (not an export directory?)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{path}: not valid JSON ({one_line(str(exc), 300)})") from None
-    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+    meta = read_json_object(
+        path, ExportError, "missing (not an export directory?)", max_bytes=MAX_META_BYTES
+    )
+    if meta.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{path}: not a {EXPORT_FORMAT} file")
     if meta.get("version") != EXPORT_VERSION:
         raise ExportError(f"{path}: unsupported export version {quote(meta.get('version'))}")
@@ -235,8 +236,11 @@ def read_export_config(export_dir: str | Path) -> ModelConfig:
     path = Path(export_dir) / CONFIG
     if not path.is_file():
         raise ExportError(f"{path}: missing")
-    try:
-        data = load_bounded(path.read_text(encoding="utf-8"), str(path))
+    try:  # a regular file, read bounded (UTF-8: at most 4 bytes a character of the limit)
+        text = read_small_file(path, 4 * YAML_MAX_BYTES).decode("utf-8")
+        data = load_bounded(text, str(path))
+    except FileShapeError as exc:
+        raise ExportError(one_line(str(exc), 500)) from None
     except YAMLLimitError as exc:
         raise ExportError(one_line(str(exc), 500)) from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:

@@ -240,7 +240,7 @@ def export_hf(
     model = _postln(model).eval()
 
     try:
-        tmp = temp_dir_beside(out_dir)
+        tmp = temp_dir_beside(out_dir, EXPORT_TOOL)
     except OSError as exc:
         raise write_failure(exc, out_dir, "Hugging Face export") from None
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.formats.files import MAX_JSON_BYTES, FileShapeError, read_small_file
 from megatron_branchnorm.resources import find_ds_config
 
 YAML_OWNED_DS_KEYS = {
@@ -104,7 +105,9 @@ def load_ds_config(cfg: ExperimentConfig, dp: int) -> dict:
     if not path.is_file():
         raise ConfigError(f"config key train.deepspeed_config: {path}: no such file")
     try:
-        ds = json.loads(path.read_text(encoding="utf-8"))
+        ds = json.loads(read_small_file(path, MAX_JSON_BYTES))
+    except FileShapeError as exc:  # a FIFO, a device, a huge file: never read without bound
+        raise ConfigError(f"config key train.deepspeed_config: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
     if not isinstance(ds, dict):

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.experiments import sweep
+from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.records import append_bleu_row
 from tests.slurm.conftest import ROOT
 
 
@@ -51,10 +53,15 @@ def test_table_layout_and_divergence(tmp_path):
         "| postln | 4.000 |  | diverged |  |",
         "| branchnorm | 3.500 | 28.1 | diverged |  |",
     ]
-    # by BLEU: the companion's best row; a run without one says so
-    (tmp_path / "branchnorm_6L" / "run" / "valid_bleu.jsonl").write_text(
-        "".join(json.dumps({"step": s, "valid_bleu": b}) + "\n" for s, b in ((2, 1.5), (4, 2.5)))
-    )
+    # by BLEU: the companion's best row of a checkpoint on disk; a run without one says so
+    run = tmp_path / "branchnorm_6L" / "run"
+    for step, bleu in ((2, 1.5), (4, 2.5)):
+        tag = run / ckpt.tag_for(step)
+        tag.mkdir()
+        (tag / ckpt.MANIFEST).write_text(json.dumps({"step": step}))
+        scoring = {"split": "dev", "sentences": 8}
+        row = {"step": step, "checkpoint_id": ckpt.checkpoint_id(tag), "scoring": scoring}
+        append_bleu_row(run, {**row, "valid_bleu": bleu})
     result = sweep.collect(tmp_path, "valid_bleu")
     assert result["cells"]["branchnorm_6L"]["value"] == 2.5
     assert result["cells"]["branchnorm_6L"]["step"] == 4
