@@ -23,6 +23,8 @@ import yaml
 
 from megatron_branchnorm.cli import MAX_INT, quote
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import FileShapeError, read_small_file
+from megatron_branchnorm.yaml_io import MAX_BYTES as YAML_MAX_BYTES
 from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -200,7 +202,10 @@ class TrainConfig:
     non-finite gradient norm."""
     collective_timeout_s: float = 600.0
     """Timeout of every collective: a rank that stops answering (hung, not dead: a dead
-    peer's closed socket fails at once) makes the others fail after this many seconds."""
+    peer's closed socket fails at once) makes the others fail after this many seconds. Also
+    the bound of the rendezvous at start (every rank connects to rank 0 at MASTER_ADDR:
+    MASTER_PORT; then one line, exit 4) and of a wait for torch's build lock of DeepSpeed's
+    CPU op that no build of the node holds (training/environment.py)."""
 
 
 @dataclass
@@ -319,8 +324,10 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a regular file, read bounded (UTF-8: at most 4 bytes a character of the limit)
+        text = read_small_file(path, 4 * YAML_MAX_BYTES).decode("utf-8")
+    except FileShapeError as exc:
+        raise ConfigError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from None
     try:

@@ -4,8 +4,11 @@
     python megatron_branchnorm/train.py --config tiny_cpu train.max_steps=20   # one process
 
 --config takes a YAML path or the name of a config shipped in megatron_branchnorm/configs/;
-``section.key=value`` arguments override it. Exit codes: 0 done, 2 bad input, 75 stopped by
-SIGUSR1/SIGTERM after a checkpoint (requeue).
+``section.key=value`` arguments override it. Exit codes (training/exit_codes.py): 0 done,
+2 bad input, 3 non-finite updates, 4 another rank lost (or the rendezvous not complete within
+train.collective_timeout_s), 75 stopped by SIGUSR1/SIGTERM after a checkpoint, or by SIGTERM
+while starting (requeue), 130 Ctrl-C. While the rank starts, SIGTERM, SIGINT and the death of
+DeepSpeed's launcher end it at once (stop_signals).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 try:
-    # First of all: a SIGUSR1/SIGTERM from now on is recorded, not fatal (stop_signals).
+    # First of all: the stop signals and the launcher watch hold from here (stop_signals).
     from megatron_branchnorm import stop_signals
 
     stop_signals.install()

@@ -1,6 +1,6 @@
 """The process a rank runs in: rank and world from the launcher, SLURM or nothing (one
-process), torch's thread count, the process group, and the cleanup DeepSpeed's CPU
-accelerator leaves to us."""
+process), torch's thread count, the process group (a bounded rendezvous, DeepSpeed's CPU op
+built first), and the cleanup DeepSpeed's CPU accelerator leaves to us."""
 
 from __future__ import annotations
 
@@ -8,15 +8,30 @@ import contextlib
 import datetime
 import os
 import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.launch import free_port
 from megatron_branchnorm.training import collectives
+from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
+
+SHM_COMM_BUILDER = "ShareMemCommBuilder"
+"""DeepSpeed's CPU shared-memory all-reduce op, which ``deepspeed.init_distributed`` builds
+(ninja, in torch's extensions directory) on CPU ranks."""
+
+
+class PeerLostError(RuntimeError):
+    """Starting failed because another rank, or its node, is gone: one line, exit 4
+    (``training.trainer.run``), like a collective that lost its peer."""
 
 
 def setup_process_env() -> None:
@@ -119,6 +134,13 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     """Bind this rank's GPU, then DeepSpeed's process group (NCCL on GPUs, gloo on CPU
     ranks); (rank, world size).
 
+    The rendezvous (rank 0 listens on MASTER_ADDR:MASTER_PORT, every other rank connects)
+    waits at most ``timeout_s`` (``train.collective_timeout_s``, also every collective's
+    timeout): after that the rank ends with one line naming the address, exit 4. torch alone
+    would wait up to twice that, inside C++, and rank 0 would end with a traceback. On CPU
+    ranks DeepSpeed's shared-memory op is built before (:func:`load_shm_comm_op`), so that a
+    slow first build does not count against the rendezvous.
+
     DeepSpeed 0.19.8 passes ``device_id=cuda:LOCAL_RANK`` to torch's ``init_process_group``
     itself at world size > 1 (``deepspeed/comm/torch.py``), which makes NCCL's communicator
     eager and bound to that GPU; at world size 1 it leaves it out on purpose (its #8248).
@@ -128,9 +150,12 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     device = bind_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo" and not dist.is_initialized():
+        load_shm_comm_op(timeout_s)
     try:
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    except dist.DistNetworkError as exc:
+        with _deadline(timeout_s, lambda: _rendezvous_line(timeout_s, "")):
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
         # The rendezvous store (rank 0 listens on MASTER_PORT): a busy port is the user's
         # environment, not a bug, so one line naming the variable instead of a traceback.
         where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
@@ -141,6 +166,8 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
                 "or program listens there); choose a free port (deepspeed --master_port P, "
                 "or MASTER_PORT=P)"
             ) from None
+        if "timed out" in text.lower():  # torch's own timeout, a moment after _deadline's
+            stop_signals.stop_now(_rendezvous_line(timeout_s, text), PEER_LOST_EXIT_CODE)
         raise ConfigError(
             f"environment variables MASTER_ADDR/MASTER_PORT: cannot rendezvous at {where}: {text}"
         ) from None
@@ -148,6 +175,119 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     if backend == "gloo":
         release_shm_workspace(rank)
     return rank, dist.get_world_size()
+
+
+def _rendezvous_line(timeout_s: float, detail: str) -> str:
+    """The line of a rendezvous that did not complete within ``timeout_s``."""
+    env = os.environ
+    rank, world = env.get("RANK", "0"), env.get("WORLD_SIZE", "1")
+    where = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    role = (
+        f"rank 0 listens there, and not all {world} ranks connected"
+        if rank == "0"
+        else "rank 0 could not be reached there"
+    )
+    return (
+        f"error: rank {rank}: the rendezvous at MASTER_ADDR:MASTER_PORT {where} did not "
+        f"complete within {timeout_s:g} s (train.collective_timeout_s): {role}"
+        + (f" ({detail})" if detail else "")
+        + f"; check MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world}, and that every rank started"
+    )
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, overdue: Callable[[], str | None]) -> Iterator[None]:
+    """End the process with the line ``overdue()`` returns, exit 4, when the block still runs
+    after ``seconds`` (None from it: wait another ``seconds``). For waits inside C++ or a
+    library's loop (gloo's rendezvous, torch's build lock) that no exception reaches; the
+    watcher of :mod:`megatron_branchnorm.stop_signals` still ends them on SIGTERM/SIGINT."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(seconds):
+            line = overdue()
+            if line is not None:
+                stop_signals.stop_now(line, PEER_LOST_EXIT_CODE)
+
+    threading.Thread(target=watch, name="start-up-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def load_shm_comm_op(timeout_s: float) -> None:
+    """Build or load DeepSpeed's CPU shared-memory communication op now, as
+    ``deepspeed.init_distributed`` would inside it on a CPU rank (``deepspeed/comm/torch.py``,
+    ``build_shm_op``, which then finds the op loaded), so that its failures are one line:
+
+    - a build interrupted under this rank (ninja stopped: when another rank is lost, DeepSpeed's
+      launcher terminates the survivors' process trees, ninja first) is this rank's own stop
+      when SIGTERM or SIGINT reached it too (``stop_signals.stop_if_signalled``), otherwise a
+      :class:`PeerLostError` (exit 4) instead of ninja's traceback;
+    - torch's build lock (``lock`` in the op's build directory), held for over ``timeout_s``
+      while no process of this node builds there, was left by a rank killed while building:
+      every start would wait for it forever, so the rank ends with a line naming it, exit 4.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(SHM_COMM_BUILDER)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    with _deadline(timeout_s, lambda: _stale_build_lock(builder.name, timeout_s)):
+        try:
+            builder.load()
+        except RuntimeError as exc:
+            if not _build_interrupted(exc):
+                raise
+            stop_signals.stop_if_signalled()
+            raise PeerLostError(
+                f"DeepSpeed's CPU communication op ({builder.name}) was being built when its "
+                f"build was stopped ({one_line(str(exc), 200)}): another rank, or its node, "
+                "is gone and the job is being ended"
+            ) from None
+
+
+def _build_interrupted(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is torch's "Error building extension" for a ninja that was stopped
+    (a signal), rather than a build that failed."""
+    cause = exc.__cause__
+    if not isinstance(cause, subprocess.CalledProcessError):
+        return False
+    return cause.returncode < 0 or "build stopped: interrupted" in str(exc)
+
+
+def _stale_build_lock(name: str, timeout_s: float) -> str | None:
+    """The line for torch's build lock of extension ``name`` when it is stale (held over
+    ``timeout_s`` while no process of this node works in its directory); None otherwise."""
+    from torch.utils.cpp_extension import _get_build_directory  # where load() puts it
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        held_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None  # building or loading: wait on
+    if held_s < timeout_s or _works_in(lock.parent):
+        return None
+    return (
+        f"error: rank {os.environ.get('RANK', '0')}: DeepSpeed's CPU communication op waits "
+        f"for the build lock {lock}, held for {held_s:.0f} s (train.collective_timeout_s is "
+        f"{timeout_s:g}) while no process of this node builds there: a rank killed while "
+        "building left it; if no other node is building, remove that file and resubmit"
+    )
+
+
+def _works_in(directory: Path) -> bool:
+    """Whether a process of this node has ``directory`` as its working directory (torch runs
+    ninja, and ninja the compilers, in the build directory)."""
+    target = os.path.realpath(directory)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # gone, or another user's
+                if os.readlink(entry / "cwd") == target:
+                    return True
+    return False
 
 
 def release_shm_workspace(rank: int) -> None:
@@ -183,7 +323,10 @@ _PEER_GONE = re.compile(
 
 def peer_lost(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective or point-to-point failing because another rank (or its
-    node, or the network to it) is gone, rather than a bug of this rank."""
+    node, or the network to it) is gone, rather than a bug of this rank; or starting failing
+    for that (:class:`PeerLostError`)."""
+    if isinstance(exc, PeerLostError):
+        return True
     if not isinstance(exc, RuntimeError):
         return False
     text = str(exc)

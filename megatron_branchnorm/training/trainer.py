@@ -131,6 +131,7 @@ class Trainer:
             try:
                 lock.acquire()
                 self.lock = lock
+                stop_signals.on_stop(lock.release)  # a stop while starting ends at once
                 for warning in lock.warnings:
                     print(f"warning: {warning}", flush=True)
             except (LockError, OSError) as exc:
@@ -246,6 +247,8 @@ class Trainer:
         max_steps = self.cfg.train.max_steps
         state = self.state
         self._start()
+        # From here a SIGTERM is read at the collective checks (before: it ends the rank at once)
+        stop_signals.training_started()
         if self.stopper.signalled_before_start():
             self.metrics.log(
                 f"signal received before the first update (step {state.step}): nothing new to "
@@ -396,10 +399,14 @@ def run(cfg: ExperimentConfig) -> int:
         except (OSError, ckpt.CheckpointError):
             latest = None
         rank = os.environ.get("RANK", "0")
+        what = (
+            str(exc)
+            if isinstance(exc, env.PeerLostError)
+            else "a collective failed because another rank, or its node, is gone or stopped "
+            f"answering ({one_line(str(exc))[:200]})"
+        )
         print(
-            f"error: rank {rank}: a collective failed because another rank, or "
-            f"its node, is gone or stopped answering ({one_line(str(exc))[:200]}); "
-            "nothing was saved: resubmit the job to resume from "
+            f"error: rank {rank}: {what}; nothing was saved: resubmit the job to resume from "
             + (f"{cfg.train.save_dir}/{latest}" if latest else "the start (no checkpoint yet)"),
             file=sys.stderr,
             flush=True,
