@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
 
 try:
     # First of all: the stop signals and the launcher watch hold from here (stop_signals).
-    from megatron_branchnorm import stop_signals
+    from megatron_branchnorm.training import stop_signals
 
     stop_signals.install()
 

@@ -26,7 +26,7 @@ builds and trains its Trainers inside it) and takes the patches off again.
 
 from __future__ import annotations
 
-from megatron_branchnorm import stop_signals
+from megatron_branchnorm.training import stop_signals
 
 if __name__ == "__main__":  # first of all, as train.py: a SIGUSR1/SIGTERM is recorded, not fatal
     stop_signals.install()

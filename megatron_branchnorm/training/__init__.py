@@ -11,7 +11,8 @@ decides for itself when it is due; :class:`trainer.Trainer` only calls them.
 - ``stopping``: signals, the time budget, errors of one rank, non-finite updates;
 - ``grad_norm``: the all-stage gradient norm and the skip of non-finite updates (fp32);
 - ``state``: the training position (step, samples) that a checkpoint saves and restores;
+- ``stop_signals``: SIGUSR1/SIGTERM/SIGINT and the launcher watch, installed first of all;
 - ``exit_codes``: the process exit codes (no torch import).
 
-Only ``metrics`` and ``exit_codes`` can be imported without torch.
+Only ``metrics``, ``stop_signals`` and ``exit_codes`` can be imported without torch.
 """

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.launch import free_port
-from megatron_branchnorm.training import collectives
+from megatron_branchnorm.training import collectives, stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 
 SHM_COMM_BUILDER = "ShareMemCommBuilder"
@@ -200,7 +199,7 @@ def _deadline(seconds: float, overdue: Callable[[], str | None]) -> Iterator[Non
     """End the process with the line ``overdue()`` returns, exit 4, when the block still runs
     after ``seconds`` (None from it: wait another ``seconds``). For waits inside C++ or a
     library's loop (gloo's rendezvous, torch's build lock) that no exception reaches; the
-    watcher of :mod:`megatron_branchnorm.stop_signals` still ends them on SIGTERM/SIGINT."""
+    watcher of :mod:`megatron_branchnorm.training.stop_signals` still ends them on SIGTERM/SIGINT."""
     done = threading.Event()
 
     def watch() -> None:

@@ -1,5 +1,5 @@
 """When a run stops early, agreed by all ranks: a stop signal (SIGUSR1/SIGTERM, recorded by
-:mod:`megatron_branchnorm.stop_signals`) on any rank, the wall-clock budget, or an error of
+:mod:`megatron_branchnorm.training.stop_signals`) on any rank, the wall-clock budget, or an error of
 one rank alone (a full disk under metrics.jsonl). Every rank takes the same decision after
 the same update, so no rank waits for another in a collective (docs/design.md §3, §6.4)."""
 
@@ -8,10 +8,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from megatron_branchnorm import stop_signals
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.training import collectives
+from megatron_branchnorm.training import collectives, stop_signals
 
 
 class TrainError(UserError, RuntimeError):

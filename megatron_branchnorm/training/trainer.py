@@ -22,7 +22,6 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from megatron_branchnorm import stop_signals
 from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.data.sampling import (
@@ -42,7 +41,7 @@ from megatron_branchnorm.pipeline import (
 )
 from megatron_branchnorm.planner import auto_checkpoint_interval
 from megatron_branchnorm.run_lock import LockError, RunLock
-from megatron_branchnorm.training import collectives
+from megatron_branchnorm.training import collectives, stop_signals
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
 from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation

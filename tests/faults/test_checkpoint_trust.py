@@ -22,7 +22,7 @@ import torch
 
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.stop_signals import STOP_SIGNALS
+from megatron_branchnorm.training.stop_signals import STOP_SIGNALS
 from tests.core.helpers import one_rank_process_group
 
 pytestmark = pytest.mark.faults

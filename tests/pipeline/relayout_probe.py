@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_branchnorm import stop_signals  # noqa: E402
+from megatron_branchnorm.training import stop_signals  # noqa: E402
 
 stop_signals.install()
 
