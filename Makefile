@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format venv clean gpu-check
+.PHONY: test lint format venv clean gpu-check gpu-bench
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: $(VENV)/.installed
 # (offline, from a wheelhouse: tools/build_wheelhouse.sh and docs/performance.md).
 gpu-check: $(VENV)/.installed
 	$(PY) tools/gpu_check.py
+
+# On a CUDA machine: train.py's steady state beside torch.nn.Transformer (eager, compiled) and
+# torchscale at 4,096 and 16,384 tokens per side, in one process (docs/performance.md).
+gpu-bench: $(VENV)/.installed
+	$(PY) tools/gpu_bench.py
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format megatron_branchnorm tools tests

@@ -26,6 +26,7 @@ setup(
             "mbn-plot=megatron_branchnorm.commands.plot:main",
             "mbn-corpus=megatron_branchnorm.commands.corpus:main",
             "mbn-gpu-check=megatron_branchnorm.workflows.gpu_check:main",
+            "mbn-gpu-bench=megatron_branchnorm.experiments.gpu_bench:main",
             "mbn-watch-bleu=megatron_branchnorm.commands.watch_bleu:main",
         ]
     },

@@ -11,6 +11,7 @@
 #     python -m pip install --no-index --find-links DIR DIR/*.whl
 #     python -m pip install --no-deps --no-build-isolation -e .
 #     python tools/gpu_check.py
+#     python -m pip install --no-deps DIR/anchors/*.whl && python tools/gpu_bench.py
 #
 # The list is this venv's packages less torch and what torch brings (its CUDA/triton
 # companions, sympy, networkx, jinja2...), less what only the tests use, and less matplotlib
@@ -36,4 +37,8 @@ trap 'rm -f "$reqs"' EXIT
 ds=$("$py" -c 'from importlib.metadata import version; print(version("deepspeed"))')
 DS_BUILD_OPS=0 "$py" -m pip wheel --quiet --no-deps --no-build-isolation "deepspeed==$ds" -w "$dir"
 "$py" -m pip download --quiet --no-deps --only-binary=:all: setuptools wheel -d "$dir"
+# make gpu-bench's torchscale row (pure Python; installed with --no-deps: its timm pin needs
+# torchvision, and gpu_bench registers a stand-in timm): python -m pip install --no-deps DIR/anchors/*.whl
+"$py" -m pip download --quiet --no-deps --only-binary=:all: torchscale==0.3.0 -d "$dir/anchors"
+"$py" -m pip wheel --quiet --no-deps --no-build-isolation fairscale==0.4.0 -w "$dir/anchors"
 echo "$dir: $(ls "$dir" | wc -l) wheels, $(du -sh "$dir" | cut -f1)"

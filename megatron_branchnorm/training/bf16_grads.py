@@ -54,6 +54,38 @@ accumulation, activation checkpointing (non-reentrant: the recomputed forward's 
 walked back, so each parameter's hook fires once per backward), clipping, the tied embedding
 and a checkpoint resume. Unchanged: ``zero_grad`` after each step zeroes the fp32 flat buffer
 (one kernel per parameter group per update) and sets the bf16 grads to None.
+
+Issue 41 (the GPU waits on the host: ../shared/DESIGN.md §12) adds two things:
+
+- **Multi-tensor accumulation on CUDA** (:class:`_MultiTensorAccumulation`, the default where
+  the gradient buffers are on a GPU). The hook keeps the bf16 gradient instead of adding it
+  (no kernel); at the end of the backward (an autograd-engine callback), or once the kept
+  gradients pass :data:`BUCKET_ELEMENTS`, the gradients of consecutive parameters are
+  concatenated (``torch.cat``: one kernel per up to ~128 tensors on CUDA) and added into the
+  matching slice of the fp32 flat buffer (one kernel). Each element is still the one fp32 add
+  of the widened bf16 value, so the result is bit-identical to the per-parameter add; launches
+  per micro-batch fall from one per parameter tensor to a few per stage. The price: the bf16
+  gradients of a bucket live until it is added, plus the bf16 concatenation (each at most
+  :data:`BUCKET_ELEMENTS` x 2 bytes). On the CPU the per-parameter add stays (a kernel launch
+  costs nothing there, and the concatenation is one more pass over the gradients); tests
+  force the multi-tensor path on the CPU and check it bit-identical.
+- **The step with one host sync** (:func:`_step`, replacing ``BF16_Optimizer.step`` on the
+  instance). DeepSpeed 0.19.8's step reads the gradient norm on the host twice per update:
+  ``is_invalid_grad_norm`` (needed: a skipped step changes what runs next) and, with
+  ``gradient_clipping`` > 0, ``if clip_coef < 1`` in ``clip_tensors_by_global_norm``; and its
+  norm (``get_global_norm_of_tensors``) launches one norm kernel per parameter tensor and makes
+  a tensor from host data for its NaN mask (on CUDA a copy from pageable memory, which waits
+  for the GPU too). Ours: the norms in one ``torch._foreach_norm`` (multi-tensor on CUDA; on
+  the CPU the same per-tensor norm kernel DeepSpeed calls), the sum all-reduced over the
+  pipeline stages as DeepSpeed does, the NaN mask filled with a Python -1, one host read (the
+  validity check), and the clipping as one multiply of each group's flat fp32 gradient by
+  ``min(1, clip / (norm + 1e-6))`` computed on the device (a multiply by exactly 1.0 when not
+  clipping leaves every bit as it is). The fused AdamW, the copy into the bf16 weights and the
+  clearing are DeepSpeed's own methods, called in DeepSpeed's order. Bit-identical to
+  DeepSpeed's step on the CPU (tests/pipeline/test_bf16_grads.py compares the two with
+  clipping that clips); on CUDA the multi-tensor norm sums in another order (float rounding).
+  With MoE layers, Muon, a gradient accumulation dtype other than fp32 or AutoEP folding the
+  engine keeps DeepSpeed's step.
 """
 
 from __future__ import annotations
@@ -64,6 +96,11 @@ import inspect
 import torch
 
 from megatron_branchnorm.pipeline import unsupported_deepspeed
+from megatron_branchnorm.training import collectives
+
+BUCKET_ELEMENTS = 1 << 25
+"""Kept bf16 gradients (elements) after which the multi-tensor accumulation adds them without
+waiting for the end of the backward: 64 MiB of bf16, plus as much for their concatenation."""
 
 _NEEDED_METHODS = (
     "_update_hp_grad",
@@ -79,6 +116,24 @@ _NEEDED_STATE = (
     "immediate_grad_update",
 )
 _SIGNATURE = ["self", "lp", "group_idx", "param_idx", "clear_lp_grads"]
+_STEP_METHODS = (
+    "get_grads_for_norm",
+    "update_lp_params",
+    "clear_hp_grads",
+    "clear_lp_grads",
+    "_lazy_init_hp_params_optimizer_state",
+)
+_STEP_STATE = (
+    "optimizer",
+    "mpu",
+    "clip_grad",
+    "norm_type",
+    "grad_acc_dtype",
+    "has_moe_layers",
+    "fp32_groups_flat_partition",
+    "fp32_groups_gradient_flat_partition",
+    "fp32_groups_gradients_flat",
+)
 
 
 @torch.no_grad()
@@ -98,14 +153,152 @@ def _update_hp_grad(optimizer, lp, group_idx: int, param_idx: int, clear_lp_grad
         grad.zero_()
 
 
-def install_bf16_grad_accumulation(engine) -> bool:
-    """Give ``engine``'s bf16 optimizer the one-kernel :func:`_update_hp_grad`; True when
-    installed, False (nothing changed) when the engine does not use DeepSpeed's bf16 optimizer.
+class _MultiTensorAccumulation:
+    """Stands in for ``BF16_Optimizer.accumulate_hp_grads_and_remove_lp`` on one optimizer
+    instance (module docstring, "Multi-tensor accumulation"): keeps each parameter's bf16
+    gradient and adds the kept ones into the fp32 flat buffer a run of consecutive parameters
+    at a time, at the end of the backward or past ``bucket`` elements."""
 
-    The one kernel per parameter tensor per micro-batch needs ``bf16.immediate_grad_update:
-    true`` in the DeepSpeed JSON as well (``zero1_bf16.json`` has it); without it only the cast
-    kernel goes. A DeepSpeed whose bf16 optimizer lacks what this relies on is refused here
-    rather than failing mid-step.
+    def __init__(self, optimizer, bucket: int = BUCKET_ELEMENTS) -> None:
+        self.optimizer = optimizer
+        self.bucket = bucket
+        self.pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.numel = 0
+        self.queued = False
+        self.adds = 0  # the add kernels issued so far (one per run of parameters)
+
+    def __call__(self, lp, group_idx: int, param_idx: int) -> None:
+        """A parameter's gradient is complete (its post-accumulate-grad hook): keep it."""
+        opt = self.optimizer
+        if opt.autoep_folding_tp_group is not None:  # AutoEP folding: DeepSpeed's own path
+            type(opt).accumulate_hp_grads_and_remove_lp(opt, lp, group_idx, param_idx)
+            return
+        grad = lp.grad
+        if grad is None:
+            return
+        hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]
+        self.pending.append((group_idx, param_idx, hp_grad, grad))
+        self.numel += grad.numel()
+        lp._hp_grad = hp_grad
+        opt.fp32_groups_has_gradients[group_idx][param_idx] = True
+        lp.grad = None
+        if not self.queued:  # once per backward: add what is left when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.queued = True
+        if self.numel >= self.bucket:
+            self.flush()
+
+    def _end_of_backward(self) -> None:
+        self.queued = False
+        self.flush()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Add every kept gradient into its fp32 slice: one concatenation and one add per run
+        of parameters adjacent in the flat buffer."""
+        pending, self.pending, self.numel = self.pending, [], 0
+        pending.sort(key=lambda entry: entry[:2])
+        run: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for entry in pending:
+            if run and not _adjacent(run[-1], entry):
+                self._add(run)
+                run = []
+            run.append(entry)
+        if run:
+            self._add(run)
+
+    def _add(self, run: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        self.adds += 1
+        if len(run) == 1:
+            _, _, hp_grad, grad = run[0]
+            hp_grad.add_(grad.view(hp_grad.shape))
+            return
+        flat = self.optimizer.fp32_groups_gradients_flat[run[0][0]]
+        start = run[0][2].storage_offset() - flat.storage_offset()
+        total = sum(entry[2].numel() for entry in run)
+        flat.narrow(0, start, total).add_(torch.cat([entry[3].reshape(-1) for entry in run]))
+
+
+def _adjacent(a: tuple, b: tuple) -> bool:
+    """Whether kept gradient ``b`` continues ``a`` in the same flat fp32 buffer, in one dtype."""
+    (group_a, _, hp_a, grad_a), (group_b, _, hp_b, grad_b) = a, b
+    return (
+        group_a == group_b
+        and grad_a.dtype == grad_b.dtype
+        and hp_b.storage_offset() == hp_a.storage_offset() + hp_a.numel()
+    )
+
+
+def _global_grad_norm(grads: list[torch.Tensor], norm_type: float, mpu) -> torch.Tensor:
+    """DeepSpeed's ``get_global_norm_of_tensors`` for a p-norm, without its per-tensor loop and
+    its tensor made from host data: the norm of all stages' fp32 gradients as a 0-dim fp32
+    tensor on their device, -1 where it is not finite."""
+    if grads:
+        total = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32)
+    if mpu is not None:  # every stage of the replica, as DeepSpeed sums it
+        group = mpu.get_model_parallel_group()
+        total = collectives.all_reduce(total, group=group, dtype=torch.float32)
+    norm = total.pow(1.0 / norm_type)
+    return norm.masked_fill_(~torch.isfinite(norm), -1.0)
+
+
+@torch.no_grad()
+def _step(optimizer, closure=None) -> None:
+    """``BF16_Optimizer.step`` with one host read of the gradient norm (module docstring, "The
+    step with one host sync"); DeepSpeed's own methods do the rest, in its order."""
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    if closure is not None:
+        raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
+    optimizer.overflow = False
+    grads, _experts = optimizer.get_grads_for_norm()
+    norm = _global_grad_norm(grads, float(optimizer.norm_type), optimizer.mpu)
+    optimizer._global_grad_norm = norm
+    if is_invalid_grad_norm(norm):  # the update's one host sync
+        optimizer.overflow = True
+        optimizer._global_grad_norm = float("inf")
+        optimizer.clear_hp_grads()
+        optimizer.clear_lp_grads()
+        return
+    if optimizer.clip_grad > 0.0:
+        coef = (optimizer.clip_grad / (norm + 1e-6)).clamp_(max=1.0)  # DeepSpeed's, on device
+        torch._foreach_mul_(optimizer.fp32_groups_gradients_flat, coef)
+    for param, grad in zip(
+        optimizer.fp32_groups_flat_partition,
+        optimizer.fp32_groups_gradient_flat_partition,
+        strict=True,
+    ):
+        param.grad = grad
+    optimizer.optimizer.step()
+    optimizer._lazy_init_hp_params_optimizer_state()
+    optimizer.update_lp_params()
+    optimizer.clear_hp_grads()
+
+
+def _own_step_applies(optimizer) -> bool:
+    """Whether :func:`_step` does what DeepSpeed's step does for this optimizer: an L2 norm,
+    fp32 gradients, no MoE, no Muon, no AutoEP folding."""
+    return (
+        float(optimizer.norm_type) == 2.0
+        and optimizer.grad_acc_dtype == torch.float32
+        and not optimizer.has_moe_layers
+        and not getattr(optimizer, "_uses_muon", False)
+        and optimizer.autoep_folding_tp_group is None
+    )
+
+
+def install_bf16_grad_accumulation(engine, multi_tensor: bool | None = None) -> bool:
+    """Give ``engine``'s bf16 optimizer the one-kernel :func:`_update_hp_grad`, on CUDA (or
+    with ``multi_tensor``) the multi-tensor accumulation, and the step with one host sync
+    (module docstring); True when installed, False (nothing changed) when the engine does not
+    use DeepSpeed's bf16 optimizer.
+
+    The one kernel per parameter tensor per micro-batch, and the multi-tensor accumulation,
+    need ``bf16.immediate_grad_update: true`` in the DeepSpeed JSON as well
+    (``zero1_bf16.json`` has it); without it only the cast kernel goes. A DeepSpeed whose bf16
+    optimizer lacks what this relies on is refused here rather than failing mid-step.
     """
     try:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -124,8 +317,17 @@ def install_bf16_grad_accumulation(engine) -> bool:
         raise unsupported_deepspeed(
             f"BF16_Optimizer._update_hp_grad{tuple(params)} is not {tuple(_SIGNATURE)}"
         )
-    for name in _NEEDED_STATE:
+    for name in _STEP_METHODS:
+        if not callable(getattr(BF16_Optimizer, name, None)):
+            raise unsupported_deepspeed(f"BF16_Optimizer.{name} is missing")
+    for name in _NEEDED_STATE + _STEP_STATE:
         if not hasattr(optimizer, name):
             raise unsupported_deepspeed(f"the BF16_Optimizer instance has no attribute {name}")
     optimizer._update_hp_grad = functools.partial(_update_hp_grad, optimizer)
+    if multi_tensor is None:
+        multi_tensor = any(flat.is_cuda for flat in optimizer.fp32_groups_gradients_flat)
+    if multi_tensor and optimizer.immediate_grad_update:
+        optimizer.accumulate_hp_grads_and_remove_lp = _MultiTensorAccumulation(optimizer)
+    if _own_step_applies(optimizer):
+        optimizer.step = functools.partial(_step, optimizer)
     return True

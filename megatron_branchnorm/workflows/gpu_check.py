@@ -12,16 +12,18 @@ Exit 0: every check passed; 1: one failed (the table says which); 2: bad input.
 It prints one table. On the device (``cuda`` when available):
 
 1. **precision**: one batch through the flat model and through the 1-stage pipeline (DeepSpeed
-   engine, the shipped ``zero1_bf16.json`` / ``zero1_fp16.json``) in bf16 and fp16, against the
-   flat model in fp32 on the CPU (same weights, same batch): the loss, and the gradient (the
-   whole gradient vector for the flat model, the global norm for the engine);
+   engine, the shipped ``zero1_bf16.json`` / ``zero1_fp16.json``, with the trainer's bf16
+   accumulation and step from ``training/bf16_grads.py``: multi-tensor on CUDA) in bf16 and
+   fp16, against the flat model in fp32 on the CPU (same weights, same batch): the loss, and
+   the gradient (the whole gradient vector for the flat model, the global norm for the engine);
 2. **activation checkpointing**: the pipeline's loss and gradient norm with checkpointing on
    equal those with it off;
 3. **Apex**: FusedLayerNorm against torch's LayerNorm when Apex is importable, else the table
    says that torch's LayerNorm runs;
 4. **throughput**: train.py end to end on one rank (its collectives included: they run at
-   world size 1 too) for a few updates of a 12L-12L d=512 model with 16k tokens per
-   micro-batch (bf16 + ZeRO-1, 1 stage): tokens/s, the fraction of the device's measured bf16
+   world size 1 too) for ``--steps`` updates (40) of a 12L-12L d=512 model with 16k tokens per
+   micro-batch (bf16 + ZeRO-1, 1 stage): the steady-state tokens/s (the median of the last half
+   of the updates, as ``make gpu-bench`` takes it), the fraction of the device's measured bf16
    matmul peak, peak memory beside the planner's prediction; on a GPU also with
    ``model.compile=true`` and, where Apex is importable, with Apex off;
 5. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and the
@@ -47,7 +49,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
         build_pipeline_module,
         install_engine_fixes,
     )
+    from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
     from megatron_branchnorm.training.ds_config import load_ds_config
     from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 
@@ -178,6 +180,7 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
     opt = SkipNonfiniteAdamW([p for p in module.parameters() if p.requires_grad], lr=0.0)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     install_engine_fixes(engine)
+    install_bf16_grad_accumulation(engine)  # as the trainer does: on CUDA the multi-tensor path
     items = [
         (
             (batch["src_tokens"][i : i + 4].to(device), batch["prev_output_tokens"][i : i + 4].to(device)),
@@ -291,6 +294,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
 
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.experiments.benchmark import matmul_peak
+    from megatron_branchnorm.experiments.gpu_bench import steady_state
     from megatron_branchnorm.planner import plan_run
 
     size = THROUGHPUT_GPU if device == "cuda" else THROUGHPUT_CPU
@@ -309,12 +313,14 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     for i, (name, extra) in enumerate(_variants(device)):
         run_dir = work / f"throughput{i}"
         _launch(1, [*overrides, *extra], run_dir, timeout=1800)
-        updates = _updates(run_dir)[1:]  # the first update includes warm-up (and compiling)
-        tps = statistics.median(r["tokens_per_sec"] for r in updates)
+        updates = _updates(run_dir)
+        # the steady state, as make gpu-bench takes it: past warm-up, lazy state and compiling
+        tps = steady_state([r["tokens_per_sec"] for r in updates])
         mem = max(r["memory_mb"] for r in updates) / 1024
         achieved = plan.flops_per_update * tps / (2 * plan.tokens_per_update)  # FLOP/s
+        first = len(updates) // 2 + 1
         rows += [
-            Row(f"train.py {what}, bf16, {name}: tokens/s (median of {len(updates)})",
+            Row(f"train.py {what}, bf16, {name}: tokens/s (median of updates {first}-{len(updates)})",
                 f"{tps:,.0f} (planner at {plan.tflops:g} TFLOP/s: {predicted:,.0f}); "
                 f"{achieved / 1e12:.2f} TFLOP/s = {achieved / (peak * 1e9):.1%} of the bf16 "
                 "matmul peak"),
@@ -425,8 +431,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--ranks", type=int_flag(1), default=None,
                         help="devices for the pipeline parity (default: the GPUs, or 1)")  # fmt: skip
-    parser.add_argument("--steps", type=int_flag(2), default=12,
-                        help="updates of the throughput run")  # fmt: skip
+    parser.add_argument("--steps", type=int_flag(2), default=40,
+                        help="updates of the throughput run (its figure: the median of the "
+                        "last half)")  # fmt: skip
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)

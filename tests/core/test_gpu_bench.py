@@ -1,0 +1,96 @@
+"""``make gpu-bench`` in its CPU small mode (issue 41, item 4; experiments/gpu_bench.py).
+
+The run is train.py's real Trainer (one stage, bf16 + ZeRO-1, in this process) beside the plain
+loops at one tiny size: every system has its row, what ran has positive, finite figures, and
+what cannot run here (torch.compile on the CPU, torchscale where it is not installed) says why
+in one line. Times are not checked. The statistics behind the figures are checked on known
+numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+
+import pytest
+
+from megatron_branchnorm.experiments import gpu_bench
+from megatron_branchnorm.training.stop_signals import STOP_SIGNALS
+
+
+def test_steady_state_is_the_median_of_the_last_half() -> None:
+    warm_up_then_steady = [9.0, 7.0, 5.0, 1.0, 2.0, 3.0]
+    assert gpu_bench.steady_state(warm_up_then_steady) == 2.0
+    assert gpu_bench.steady_state([4.0, 6.0, 5.0]) == 5.5  # the last 2 of 3
+    assert gpu_bench.steady_state([3.0]) == 3.0
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals() -> None:
+    overlapping = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]
+    assert gpu_bench.union_seconds(overlapping) == 4.0
+    assert gpu_bench.union_seconds([]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--systems", "train.py,fairseq"], "--systems: unknown fairseq"),
+        (["--tokens", "4096,lots"], "--tokens: expected integers"),
+        (["--tokens", "8"], "--tokens: each must be at least 32"),
+        (["--override", "model.dropout"], "--override: expected KEY=VALUE"),
+        (["--updates", "1"], "--updates"),
+    ],
+)
+def test_bad_flags_are_one_line(capsys, argv: list[str], needle: str) -> None:
+    assert gpu_bench.main(["--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+@pytest.mark.distributed
+def test_cpu_small_mode_prints_every_row(tmp_path, capsys) -> None:
+    handlers = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    try:
+        code = gpu_bench.main(
+            ["--device", "cpu", "--tokens", "64", "--updates", "4",
+             "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "rows.json")]
+        )  # fmt: skip
+    finally:
+        for sig, handler in handlers.items():  # the Trainer installs its own
+            signal.signal(sig, handler)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| system | tokens per side | ms per update | tokens/s |")
+    assert len(table) == 2 + len(gpu_bench.SYSTEMS)
+    rows = {r["system"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert set(rows) == set(gpu_bench.SYSTEMS)
+    measured = ["train.py", "ours", "torch"]
+    if rows["torchscale"]["tokens_per_s"] is not None:  # installed on this machine
+        measured.append("torchscale")
+    else:
+        assert rows["torchscale"]["note"].startswith(("not installed", "not importable"))
+    for name in measured:
+        r = rows[name]
+        for key in ("ms_per_update", "tokens_per_s", "flops_per_s", "busy", "peak_memory"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r)
+        assert any(line.startswith(f"| {gpu_bench.LABELS[name]} | 64 | ") for line in table)
+    assert rows["train.py"]["planned_memory"] > 0
+    assert "planner:" in next(line for line in table if "train.py" in line)
+    assert "not run on the CPU" in rows["torch-compiled"]["note"]
+    assert "bf16 matmul peak" in out and "train.py's tokens/s over: " in out
+
+
+def test_no_system_starts_past_the_time_budget(tmp_path, capsys) -> None:
+    """--max-minutes: a row that would start too late is left out with a note (here every
+    row: half a minute leaves less than any system's reserve), and the table still prints."""
+    argv = ["--device", "cpu", "--tokens", "64", "--max-minutes", "0.5",
+            "--systems", "train.py,torch-compiled", "--workdir", str(tmp_path)]  # fmt: skip
+    assert gpu_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [
+        line for line in out.splitlines() if line.startswith("| train.py") or "compile |" in line
+    ]
+    assert len(rows) == 2, out
+    assert all("not run: the --max-minutes 0.5 are spent" in line for line in rows), out
