@@ -113,6 +113,12 @@ class DataConfig:
     valid_samples_per_direction: int = 200
     """Validation takes the first K usable sentences (file order, after data.max_length) of
     every direction's dev split; 0 takes all of them (docs/design.md §16)."""
+    bucket_shapes: int | str = "auto"
+    """Training micro-batches padded to a few fixed (sentences x source x target) shapes
+    chosen from the corpus's lengths, so the pipeline sends fixed shapes (docs/design.md
+    §18): auto (the fewest, up to 48, that keep an epoch's padding at or below 9%; the shapes
+    and the padding are printed at start-up), N (at most N, 1 to 64), or 0 (off: each
+    micro-batch as long as its longest sentence, and the shapes sent with each one)."""
 
 
 @dataclass
@@ -560,6 +566,12 @@ def validate(cfg: ExperimentConfig) -> None:
         d.valid_samples_per_direction >= 0,
         "data.valid_samples_per_direction",
         f"must be >= 0 (0: the whole dev split), got {d.valid_samples_per_direction}",
+    )
+    shapes = d.bucket_shapes
+    _check(
+        shapes == "auto" or (isinstance(shapes, int) and 0 <= shapes <= 64),
+        "data.bucket_shapes",
+        f"must be auto or an integer from 0 (off) to 64, got {quote(shapes)}",
     )
     _check(p.stages >= 1, "pipeline.stages", f"must be >= 1, got {p.stages}")
     # The spec list is [embed, enc_1..N, enc_final, dec_embed, dec_1..M, dec_final, output].

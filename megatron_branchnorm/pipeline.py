@@ -13,12 +13,21 @@ each cross-attention. The padding mask is rebuilt from src_tokens once per micro
 stage (:class:`StageBias`). BranchNorm's alpha_t is set on each stage's residual blocks before
 every update (:func:`megatron_branchnorm.model.residual.set_branch_scale`: a 0-dim tensor on
 the stage's device, filled in place), never a tensor that crosses stages.
+
+Shapes (docs/design.md §18): the trainer builds the module with ``dynamic_shape=False`` and
+pads every micro-batch to one of a few bucket shapes; :func:`fixed_shapes` tells each stage the
+bucket of every micro-batch of an update, so a stage sends DeepSpeed's shape metadata only the
+first time it sends a bucket and reuses the receive buffers of a bucket it has seen (no
+metadata, no host read of it, per micro-batch). Without buckets (validation, or
+``data.bucket_shapes=0``) the metadata goes with every micro-batch, as ``dynamic_shape=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -338,6 +347,116 @@ def install_backward_once(engine: PipelineEngine) -> None:
     }
 
 
+_DS_SEND_ACTIVATIONS = PipelineEngine._INSTRUCTION_MAP[schedule.SendActivation]
+_DS_RECV_ACTIVATIONS = PipelineEngine._INSTRUCTION_MAP[schedule.RecvActivation]
+_DS_RECV_GRADS = PipelineEngine._INSTRUCTION_MAP[schedule.RecvGrad]
+
+
+class _ShapeSchedule:
+    """One engine's fixed-shape state: the bucket of each micro-batch of the running
+    ``train_batch`` (None: shapes travel with every micro-batch), and per bucket the shapes
+    this stage sent first and the receive buffers' shapes it was first told."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] | None = None
+        self.sends = self.recvs = 0
+        self.sent: dict[int, tuple] = {}
+        self.received: dict[int, tuple[bool, tuple]] = {}
+
+    def next_key(self, kind: str) -> int:
+        """The bucket of the next micro-batch this stage sends or receives (they go in
+        micro-batch order in both of DeepSpeed's schedules)."""
+        count = self.sends if kind == "send" else self.recvs
+        if count >= len(self.keys):
+            raise RuntimeError(f"a {kind} of micro-batch {count}: only {len(self.keys)} shapes")
+        if kind == "send":
+            self.sends += 1
+        else:
+            self.recvs += 1
+        return self.keys[count]
+
+
+def _shape_schedule(engine: PipelineEngine) -> _ShapeSchedule:
+    return engine.__dict__.setdefault("_mbn_shapes", _ShapeSchedule())
+
+
+def _signature(tensors) -> tuple:
+    items = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+    return tuple((tuple(t.shape), t.dtype) for t in items)
+
+
+def _send_activations(engine: PipelineEngine, buffer_id: int) -> None:
+    """DeepSpeed's SendActivation, with the shape metadata sent only where the receiver
+    cannot know the shapes: the first micro-batch of each bucket (every micro-batch without
+    buckets). A bucket's later micro-batches must have its first one's shapes."""
+    plan = _shape_schedule(engine)
+    if plan.keys is None:
+        engine.first_output_send = True
+    else:
+        key = plan.next_key("send")
+        sig = _signature(engine.pipe_buffers["outputs"][buffer_id])
+        engine.first_output_send = key not in plan.sent
+        first = plan.sent.setdefault(key, sig)
+        if first != sig:
+            raise RuntimeError(
+                f"stage {engine.stage_id}: a micro-batch of bucket {key} sends shapes {sig}, "
+                f"the bucket's first sent {first}"
+            )
+    _DS_SEND_ACTIVATIONS(engine, buffer_id)
+
+
+def _recv_activations(engine: PipelineEngine, buffer_id: int) -> None:
+    """DeepSpeed's RecvActivation into the buffers of the micro-batch's bucket: the metadata
+    is received the first time a bucket comes (as :func:`_send_activations` sends it), the
+    buffers are views of the pool of :func:`_typed_recv_buffer` after that."""
+    plan = _shape_schedule(engine)
+    known = None
+    if plan.keys is not None:
+        key = plan.next_key("recv")
+        known = plan.received.get(key)
+    if known is None:
+        engine.pipe_recv_buf = None  # DeepSpeed receives the metadata and allocates
+    else:
+        is_tuple, sig = known
+        bufs = [
+            engine._allocate_or_extend_buffers(i, list(sh), dt) for i, (sh, dt) in enumerate(sig)
+        ]
+        engine.pipe_recv_buf = tuple(bufs) if is_tuple else bufs[0]
+    _DS_RECV_ACTIVATIONS(engine, buffer_id)
+    if plan.keys is not None and known is None:
+        buf = engine.pipe_recv_buf
+        plan.received[key] = (isinstance(buf, tuple), _signature(buf))
+
+
+def _recv_grads(engine: PipelineEngine, buffer_id: int) -> None:
+    """DeepSpeed's RecvGrad with the gradient buffers shaped from this micro-batch's outputs
+    (views of the receive pool: no allocation, no communication), whatever its bucket."""
+    engine.grad_layer = None
+    _DS_RECV_GRADS(engine, buffer_id)
+
+
+@contextlib.contextmanager
+def fixed_shapes(engine: PipelineEngine, keys: list[int] | None) -> Iterator[None]:
+    """Run one ``train_batch`` with ``keys[i]`` the bucket of micro-batch ``i`` (the same list
+    on every stage of the pipeline: the data's, docs/design.md §18); None sends the shapes
+    with every micro-batch. Checks that the stage sent and received one micro-batch per key."""
+    plan = _shape_schedule(engine)
+    plan.keys = None if keys is None else list(keys)
+    plan.sends = plan.recvs = 0
+    try:
+        yield
+        if keys is not None:
+            want_recv = 0 if engine.is_first_stage() else len(keys)
+            want_send = 0 if engine.is_last_stage() else len(keys)
+            if (plan.recvs, plan.sends) != (want_recv, want_send):
+                raise RuntimeError(
+                    f"stage {engine.stage_id}: {plan.recvs} micro-batches received and "
+                    f"{plan.sends} sent for {len(keys)} shapes"
+                )
+    finally:
+        plan.keys = None
+
+
 def _typed_recv_buffer(engine: PipelineEngine, idx: int, shape: list[int], dtype: torch.dtype):
     """A receive buffer for tuple slot ``idx`` of ``shape`` and ``dtype``, pooled per (slot, dtype).
 
@@ -374,12 +493,19 @@ def unsupported_deepspeed(what: str) -> RuntimeError:
 
 
 def install_engine_fixes(engine: PipelineEngine) -> None:
-    """Apply our two changes to this engine instance (DeepSpeed's class is untouched):
-    :func:`_backward_once` for BackwardPass and :func:`_typed_recv_buffer` for receive
-    buffers. Both replace private methods of DeepSpeed 0.19.8 (pinned in setup.py); a
-    DeepSpeed without them is refused here rather than failing mid-step."""
+    """Apply our changes to this engine instance (DeepSpeed's class is untouched):
+    :func:`_backward_once` for BackwardPass, :func:`_typed_recv_buffer` for receive buffers,
+    and the sends and receives of fixed shapes (:func:`fixed_shapes`). All replace private
+    methods of DeepSpeed 0.19.8 (pinned in setup.py); a DeepSpeed without them is refused here
+    rather than failing mid-step."""
     for name in ("_allocate_or_extend_buffers", "_INSTRUCTION_MAP", "_exec_recv_grads"):
         if not hasattr(type(engine), name):
             raise unsupported_deepspeed(f"PipelineEngine.{name} is missing")
+    for name in ("first_output_send", "pipe_recv_buf", "grad_layer", "pipe_buffers"):
+        if not hasattr(engine, name):
+            raise unsupported_deepspeed(f"PipelineEngine has no attribute {name}")
     install_backward_once(engine)
+    engine._INSTRUCTION_MAP[schedule.SendActivation] = _send_activations
+    engine._INSTRUCTION_MAP[schedule.RecvActivation] = _recv_activations
+    engine._INSTRUCTION_MAP[schedule.RecvGrad] = _recv_grads
     engine._allocate_or_extend_buffers = functools.partial(_typed_recv_buffer, engine)

@@ -12,9 +12,11 @@ sample of N * p_i). Direction i's samples are read from an endless stream of see
 permutations of its n_i samples, so an up-sampled direction repeats only after a full pass and a
 down-sampled one sees all its samples over successive epochs. Within a direction the epoch's
 samples are sorted by length (random tie-break) and cut greedily into batches with
-B * max(S, T) <= max_tokens; then the batches of all directions are shuffled. Everything is a
-function of (seed, epoch) only: the order never depends on how many steps are run, and
-``state_dict()`` is just (epoch, batch position).
+B * max(S, T) <= max_tokens; then the batches of all directions are shuffled. With bucket
+shapes (``max_shapes`` > 0, data/buckets.py), the samples of a direction are grouped by bucket
+instead and each bucket cut into batches of its shape's rows. Everything is a function of
+(seed, epoch) only: the order never depends on how many steps are run, and ``state_dict()`` is
+just (epoch, batch position).
 
 ``shuffle=False`` (validation) gives one pass over every sample, direction by direction, each
 sorted by length.
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from megatron_branchnorm.data.buckets import Buckets, LengthHistogram, choose_buckets
 from megatron_branchnorm.data.indexed_dataset import IndexedDataset
 from megatron_branchnorm.data.sampling import allocate, temperature_probs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
@@ -330,17 +333,21 @@ class EpochPlan:
     ``ntokens``, ``src_ntokens``, ``samples`` and ``fingerprints`` have one entry per global
     batch, in stream order (the update's totals and ``ids_hash`` need every data-parallel
     rank's batches); ``mine`` maps the positions this rank reads to (direction, sample
-    indices), what :meth:`BatchSampler.collate` turns into the batch."""
+    indices), what :meth:`BatchSampler.collate` turns into the batch. ``shapes``: the bucket
+    of every batch (None without bucket shapes). A plan of the shapes alone
+    (:meth:`BatchSampler.epoch_shapes`, for a stage that reads no data) has None for the
+    four sizes and nothing in ``mine``."""
 
     epoch: int
-    ntokens: np.ndarray
-    src_ntokens: np.ndarray
-    samples: np.ndarray
-    fingerprints: np.ndarray
+    ntokens: np.ndarray | None
+    src_ntokens: np.ndarray | None
+    samples: np.ndarray | None
+    fingerprints: np.ndarray | None
     mine: dict[int, tuple[int, np.ndarray]]
+    shapes: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return int(self.ntokens.size)
+        return int((self.ntokens if self.ntokens is not None else self.shapes).size)
 
 
 def _stats(bounds: np.ndarray, per_sample: list[np.ndarray]) -> list[np.ndarray]:
@@ -349,12 +356,45 @@ def _stats(bounds: np.ndarray, per_sample: list[np.ndarray]) -> list[np.ndarray]
     return [np.add.reduceat(x, starts) if starts.size else x[:0] for x in per_sample]
 
 
+def bucket_identity(buckets: Buckets | None) -> str:
+    """What a saved stream position records of the bucket shapes: their digest, or "off"."""
+    return "off" if buckets is None else buckets.digest()
+
+
+def check_bucket_state(state: dict, mine: str) -> None:
+    """A DataError when a saved stream position was cut with other bucket shapes than
+    ``mine`` (:func:`bucket_identity`): resuming would read other batches than the run did."""
+    saved = state.get("bucket_shapes", "off")
+    if saved == mine:
+        return
+    if saved == "off":
+        raise DataError(
+            "the checkpoint's stream was cut without bucket shapes (data.bucket_shapes=0, or a "
+            "run started before they existed): resume it with data.bucket_shapes=0"
+        )
+    if mine == "off":
+        raise DataError(
+            f"the checkpoint's stream was cut into bucket shapes ({saved}); this config has "
+            "data.bucket_shapes=0: resume with the run's data.bucket_shapes"
+        )
+    raise DataError(
+        f"the checkpoint's stream was cut into other bucket shapes ({saved}) than this config "
+        f"and data give ({mine}): resume with the run's data.bucket_shapes, data.max_tokens "
+        "and data"
+    )
+
+
 class BatchSampler:
     """Token-budget batches over the directions of a :class:`SampleSource`.
 
     ``shuffle=True`` iterates forever (epochs advance; see the module docstring);
     ``shuffle=False`` makes one length-sorted pass. With ``world_size > 1`` each rank gets every
     ``world_size``-th batch of the same plan (the shuffled plan is cut to a multiple of it).
+
+    ``max_shapes`` > 0 (shuffled only) cuts the batches to at most that many bucket shapes
+    chosen from the lengths of the data (:attr:`buckets`, data/buckets.py); the batches are
+    not padded here (``buckets.pad`` does it). ``keep_keys=False`` keeps no per-sample array
+    and reads the lengths again for each epoch (a stage that only follows the shapes).
     """
 
     def __init__(
@@ -366,6 +406,8 @@ class BatchSampler:
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        max_shapes: int = 0,
+        keep_keys: bool = True,
     ) -> None:
         if max_tokens < 1:
             raise DataError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -400,9 +442,31 @@ class BatchSampler:
         self.probs = temperature_probs(self.counts, temperature)
         self.epoch_counts = allocate(int(self.counts.sum()), self.probs)
         """Samples per direction in every shuffled epoch."""
+        self.buckets: Buckets | None = None
+        if max_shapes and shuffle:
+            self._choose_buckets(max_shapes, keep_keys)
         self._epoch = 0
         self._position = 0
         self._cached: tuple[int, list[tuple[int, np.ndarray]]] | None = None
+
+    def _choose_buckets(self, max_shapes: int, keep_keys: bool) -> None:
+        """The bucket shapes of the lengths each direction is drawn with; each sample's key
+        becomes its bucket (kept, one byte a sample, or read again when needed)."""
+        hist = LengthHistogram()
+        for g in range(len(self.data.directions)):
+            src_len, tgt_len = self.data.group_lengths(g)
+            valid = self.data.group_indices(g)
+            hist.add(src_len[valid], tgt_len[valid], int(self.epoch_counts[g]), valid.size)
+        self.buckets = choose_buckets(hist, self.max_tokens, max_shapes)
+        self._keys = [None] * len(self.data.directions)
+        if keep_keys:
+            self._keys = [self._sort_keys(g) for g in range(len(self.data.directions))]
+
+    def _sort_keys(self, g: int) -> np.ndarray:
+        """Direction ``g``'s sort key of every local index: max(S, T), or the bucket."""
+        if self._keys[g] is not None:
+            return self._keys[g]
+        return self.buckets.bucket_of(*self.data.group_lengths(g))
 
     # --- the plan of one epoch -------------------------------------------------------------
 
@@ -431,9 +495,36 @@ class BatchSampler:
             idx = idx[self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)]
         else:
             idx = self.data.group_indices(g)
-        keys = self._keys[g][idx]
+        keys = self._sort_keys(g)[idx]
         order = np.argsort(keys, kind="stable")
-        return idx[order], _batch_ends(keys[order], self.max_tokens)
+        if self.buckets is None:
+            return idx[order], _batch_ends(keys[order], self.max_tokens)
+        idx = idx[order]
+        ranges, final = self.buckets.arrange(np.bincount(keys, minlength=len(self.buckets)))
+        parts = [idx[a:b] for runs in ranges for a, b in runs]
+        idx = np.concatenate(parts) if parts else idx
+        return idx, self.buckets.batch_ends(final)[0]
+
+    def _count_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """How many batches each direction cuts in ``epoch``, and the bucket of each batch in
+        direction order (None without buckets). The cut depends only on the sorted keys, that
+        is on their histogram: no tie-break permutation or sort here."""
+        ndir = len(self.data.directions)
+        counts = np.zeros(ndir, dtype=np.int64)
+        buckets = []
+        for g in range(ndir):
+            hist = np.bincount(self._sort_keys(g)[self._epoch_samples(g, epoch)])
+            if self.buckets is None:
+                keys = np.repeat(np.arange(hist.size, dtype=self._keys[g].dtype), hist)
+                counts[g] = _batch_ends(keys, self.max_tokens).size
+                continue
+            hist = np.pad(hist, (0, len(self.buckets) - hist.size))
+            ends, of_batch = self.buckets.batch_ends(self.buckets.arrange(hist)[1])
+            counts[g] = ends.size
+            buckets.append(of_batch)
+        if self.buckets is None:
+            return counts, None
+        return counts, np.concatenate(buckets) if buckets else np.zeros(0, dtype=np.uint8)
 
     def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """Every batch of ``epoch`` for this rank (the whole plan: a validation pass, tests)."""
@@ -464,18 +555,10 @@ class BatchSampler:
         if not self.shuffle or self.world_size != 1:
             raise ValueError("epoch_plan is the shuffled stream of one sampler for all ranks")
         ndir = len(self.data.directions)
-        # Pass 1: how many batches each direction cuts. The greedy cut depends only on the
-        # sorted keys, that is on their histogram: no tie-break permutation or sort here.
-        counts = np.zeros(ndir, dtype=np.int64)
-        for g in range(ndir):
-            hist = np.bincount(self._keys[g][self._epoch_samples(g, epoch)])
-            keys = np.repeat(np.arange(hist.size, dtype=self._keys[g].dtype), hist)
-            counts[g] = _batch_ends(keys, self.max_tokens).size
-        total = int(counts.sum())
-        if total == 0:
-            raise DataError(f"no batch in an epoch ({int(self.counts.sum())} samples)")
+        # Pass 1: how many batches each direction cuts, and the global order.
+        counts, buckets, perm = self._order(epoch)
+        total = perm.size
         first = np.concatenate([[0], np.cumsum(counts)])  # batch ids of each direction
-        perm = self._rng(_STREAM_ORDER, epoch).permutation(total)  # position -> batch
         positions = np.flatnonzero(keep(np.arange(total)))
         position_of = np.full(total, -1, dtype=np.int64)  # batch -> position, where kept
         position_of[perm[positions]] = positions
@@ -513,7 +596,26 @@ class BatchSampler:
             samples=sums[2][perm],
             fingerprints=prints[perm],
             mine=mine,
+            shapes=None if buckets is None else buckets[perm],
         )
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Batches per direction, the bucket of each batch (direction order; None without
+        buckets) and the permutation position -> batch of ``epoch``."""
+        counts, buckets = self._count_batches(epoch)
+        total = int(counts.sum())
+        if total == 0:
+            raise DataError(f"no batch in an epoch ({int(self.counts.sum())} samples)")
+        return counts, buckets, self._rng(_STREAM_ORDER, epoch).permutation(total)
+
+    def epoch_shapes(self, epoch: int) -> EpochPlan:
+        """The bucket of every batch of epoch ``epoch`` in stream order, and nothing else:
+        what a pipeline stage that reads no data needs to know the shape of each micro-batch
+        it receives (pass 1 of :meth:`epoch_plan` only)."""
+        if self.buckets is None or not self.shuffle or self.world_size != 1:
+            raise ValueError("epoch_shapes is the bucketed shuffled stream of one sampler")
+        _, buckets, perm = self._order(epoch)
+        return EpochPlan(epoch, None, None, None, None, {}, shapes=buckets[perm])
 
     def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
         """The batch of these samples of direction ``group``."""
@@ -540,13 +642,15 @@ class BatchSampler:
             self._position = 0
 
     def identity(self) -> dict:
-        """What a saved position is only valid with (seed, budget, sharding, data size)."""
+        """What a saved position is only valid with (seed, budget, sharding, data size, bucket
+        shapes)."""
         return {
             "seed": self.seed,
             "max_tokens": self.max_tokens,
             "world_size": self.world_size,
             "rank": self.rank,
             "num_samples": int(self.counts.sum()),
+            "bucket_shapes": bucket_identity(self.buckets),
         }
 
     def state_dict(self) -> dict:
@@ -556,6 +660,7 @@ class BatchSampler:
     def check_state(self, state: dict) -> None:
         """A DataError when ``state`` was saved by a sampler with another identity."""
         mine = self.identity()
+        check_bucket_state(state, mine["bucket_shapes"])
         for key, value in mine.items():
             if key in state and state[key] != value:
                 raise DataError(

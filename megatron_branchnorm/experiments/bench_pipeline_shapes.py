@@ -4,11 +4,14 @@
 
 Token-based micro-batches change shape every step. DeepSpeed caches activation shapes and
 receive buffers after the first micro-batch, so either (a) the PipelineModule is built with
-``dynamic_shape=True`` (shape metadata is sent with every micro-batch), or (b) every
-micro-batch is padded to one of a few bucket shapes (length rounded up to a multiple of
---bucket, rows to max_tokens // length) and ``engine.reset_activation_shape()`` is called
-whenever the shape changes. Both run the same updates of tiny_cpu on 2 stages; the script
-prints seconds per update and the ratio (b)/(a), measured in the same run.
+``dynamic_shape=True`` (shape metadata is sent, and read on the host, with every micro-batch),
+or (b) every micro-batch is padded to one of a few bucket shapes (``data.bucket_shapes``,
+data/buckets.py) and the module built with ``dynamic_shape=False``: each stage then sends the
+metadata once per bucket (``pipeline.fixed_shapes``), as the trainer does (docs/design.md §18).
+Both run the same number of updates of tiny_cpu on 2 stages, each through the trainer's
+stream (:class:`TrainStream`); the script prints seconds per update, the ratio (b)/(a)
+measured in the same run, the shapes and their padding, and how many metadata messages stage
+0 sent.
 """
 
 from __future__ import annotations
@@ -23,23 +26,6 @@ import time
 from megatron_branchnorm.launch import free_port
 
 
-def _pad(batch: dict, bucket: int, max_tokens: int) -> dict:
-    import torch
-
-    from megatron_branchnorm.tokens import PAD_ID
-
-    length = max(batch["src_tokens"].shape[1], batch["target"].shape[1])
-    length = -(-length // bucket) * bucket
-    rows = max(max_tokens // length, batch["src_tokens"].shape[0])
-    out = {}
-    for key in ("src_tokens", "prev_output_tokens", "target"):
-        t = batch[key]
-        padded = torch.full((rows, length), PAD_ID, dtype=t.dtype)
-        padded[: t.shape[0], : t.shape[1]] = t
-        out[key] = padded
-    return out
-
-
 def worker(args: argparse.Namespace) -> None:
     """One rank: run both modes, rank 0 prints JSON."""
     import deepspeed
@@ -49,23 +35,30 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.model.residual import set_branch_scale
     from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module
-    from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
+    from megatron_branchnorm.pipeline import (
+        PipeLoss,
+        build_pipeline_module,
+        fixed_shapes,
+        install_engine_fixes,
+    )
     from megatron_branchnorm.training import collectives
+    from megatron_branchnorm.training.data import TrainStream, as_engine_items
     from megatron_branchnorm.training.environment import set_thread_count, setup_process_env
 
     setup_process_env()
     set_thread_count()
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = load_config("tiny_cpu", ["pipeline.stages=2", "model.dropout=0.0"])
-    parts = partition_plan(cfg.model, 2)
-    gas = cfg.train.micro_batches
-    results = {}
-    for mode in ("dynamic", "buckets"):
+    results: dict = {}
+    for mode, shapes in (("dynamic", 0), ("buckets", args.shapes)):
+        cfg = load_config(
+            "tiny_cpu",
+            ["pipeline.stages=2", "model.dropout=0.0", f"data.bucket_shapes={shapes}"],
+        )
+        gas = cfg.train.micro_batches
         torch.manual_seed(1)
         loss_fn = PipeLoss(0.1)
         module = build_pipeline_module(
-            cfg.model, parts, 1, loss_fn, dynamic_shape=(mode == "dynamic")
+            cfg.model, partition_plan(cfg.model, 2), 1, loss_fn, dynamic_shape=(mode == "dynamic")
         )
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
         ds = {
@@ -76,34 +69,32 @@ def worker(args: argparse.Namespace) -> None:
             "steps_per_print": 10**9,
         }
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
-        data = SyntheticData(4000, cfg.model.vocab_size, cfg.data.max_length)
-        it = iter(SyntheticBatches(data, cfg.data.max_tokens, seed=1))
-        shape = None
+        install_engine_fixes(engine)
+        metas = [0]
+        send_meta = engine._send_tensor_meta
+
+        def counting(buffer, stage, send_meta=send_meta, metas=metas):  # noqa: ANN001
+            metas[0] += 1
+            return send_meta(buffer, stage)
+
+        engine._send_tensor_meta = counting
+        stream = TrainStream(cfg, 1, 0)  # both stages read data (first and last)
         times = []
         for step in range(args.steps + args.warmup):
             set_branch_scale(module, cfg.model, step + 1)
-            batches = [next(it) for _ in range(gas)]
-            ntok = sum(b["ntokens"] for b in batches)
-            loss_fn.scale = gas / ntok
-            if mode == "buckets":
-                batches = [_pad(b, args.bucket, cfg.data.max_tokens) for b in batches]
-                shapes = {tuple(b["src_tokens"].shape) for b in batches}
-                new = shapes.pop() if len(shapes) == 1 else None
-                if new is None or new != shape:
-                    engine.reset_activation_shape()
-                shape = new
-                if new is None:  # micro-batches of one update differ: pad to the largest
-                    rows = max(b["src_tokens"].shape[0] for b in batches)
-                    length = max(b["src_tokens"].shape[1] for b in batches)
-                    batches = [_pad(b, length, rows * length) for b in batches]
-            items = [((b["src_tokens"], b["prev_output_tokens"]), b["target"]) for b in batches]
+            update = stream.next_update()
+            loss_fn.scale = gas / max(update.target_tokens, 1)
             collectives.barrier()
             t0 = time.perf_counter()
-            engine.train_batch(data_iter=iter(items))
+            with fixed_shapes(engine, update.shapes):
+                engine.train_batch(data_iter=as_engine_items(update.mine, "cpu"))
             collectives.barrier()
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
         results[mode] = sum(times) / len(times)
+        if mode == "buckets":
+            results["bucket_shapes"] = stream.describe_buckets()
+        results[f"{mode}_metadata_sends"] = metas[0] if engine.is_first_stage() else None
     if dist.get_rank() == 0:
         results["ratio_buckets_over_dynamic"] = results["buckets"] / results["dynamic"]
         print(json.dumps(results))
@@ -114,7 +105,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed updates per mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed updates per mode")
-    parser.add_argument("--bucket", type=int, default=8, help="length rounding (mode b)")
+    parser.add_argument(
+        "--shapes", default="auto", help="data.bucket_shapes of mode b (auto or 1 to 64)"
+    )
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)

@@ -12,8 +12,11 @@ import numpy as np
 import torch
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.data.buckets import LengthHistogram, choose_buckets, max_shapes_of
+from megatron_branchnorm.data.dataset import bucket_identity, check_bucket_state
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
+from megatron_branchnorm.synthetic import SyntheticBatches
 from megatron_branchnorm.tokens import PAD_ID
 
 
@@ -53,20 +56,82 @@ def vocab_identity(cfg: ExperimentConfig) -> tuple[dict | None, str | None]:
     return vocab, manifest.sha256
 
 
-def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool):
-    """A batch iterator with state_dict()/load_state_dict() over the configured dataset."""
+def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool, keep_keys: bool = True):
+    """A batch iterator with state_dict()/load_state_dict() over the configured dataset; the
+    shuffled training stream is cut into ``data.bucket_shapes`` (data/buckets.py).
+    ``keep_keys=False``: no per-sample array is kept (a stage that follows the shapes only)."""
     d = cfg.data
+    max_shapes = max_shapes_of(d.bucket_shapes) if split == "train" and shuffle else 0
     if d.dataset == "synthetic":
         from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
 
         size = d.synthetic_size if split == "train" else max(64, d.synthetic_size // 50)
         data = SyntheticData(size, cfg.model.vocab_size, d.max_length, split)
+        if max_shapes:
+            return BucketedSyntheticBatches(data, d.max_tokens, cfg.train.seed, max_shapes)
         return SyntheticBatches(data, d.max_tokens, cfg.train.seed, shuffle=shuffle)
     from megatron_branchnorm.data import BatchSampler, TranslationData
 
     split = {"valid": "dev"}.get(split, split)  # preprocess_data.py names it dev
     data = TranslationData(d.dataset, split=split, max_length=d.max_length)
-    return BatchSampler(data, d.max_tokens, d.sampling_temperature, cfg.train.seed, shuffle=shuffle)
+    return BatchSampler(
+        data,
+        d.max_tokens,
+        d.sampling_temperature,
+        cfg.train.seed,
+        shuffle=shuffle,
+        max_shapes=max_shapes,
+        keep_keys=keep_keys,
+    )
+
+
+class BucketedSyntheticBatches(SyntheticBatches):
+    """The synthetic task's shuffled stream cut into bucket shapes (data/buckets.py): epoch
+    e's samples, in the order of the seeded permutation of (seed, e), grouped by bucket and
+    cut into each shape's rows, the batches shuffled by (seed, e, 1)."""
+
+    def __init__(self, data, max_tokens: int, seed: int, max_shapes: int) -> None:
+        super().__init__(data, max_tokens, seed, shuffle=True)
+        src_len, tgt_len = data.lengths_raw + 2, data.lengths_raw + 1  # task/EOS, EOS
+        hist = LengthHistogram()
+        hist.add(src_len, tgt_len, len(data), len(data))
+        self.buckets = choose_buckets(hist, max_tokens, max_shapes)
+        self._bucket = self.buckets.bucket_of(src_len, tgt_len)
+
+    def _bucketed(self, epoch: int) -> tuple[list[list[int]], np.ndarray]:
+        """Epoch ``epoch``'s batches in stream order and the bucket of each."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+        keys = self._bucket[order]
+        order = order[np.argsort(keys, kind="stable")]
+        ranges, final = self.buckets.arrange(np.bincount(keys, minlength=len(self.buckets)))
+        order = np.concatenate([order[a:b] for runs in ranges for a, b in runs])
+        ends, buckets = self.buckets.batch_ends(final)
+        batches = np.split(order, ends[:-1])
+        perm = np.random.default_rng([self.seed, epoch, 1]).permutation(len(batches))
+        return [batches[k].tolist() for k in perm], buckets[perm]
+
+    def _make_plan(self, epoch: int) -> list[list[int]]:
+        return self._bucketed(epoch)[0]
+
+    def epoch_plan(self, epoch: int, keep):
+        """As :meth:`SyntheticBatches.epoch_plan`, with the bucket of every batch."""
+        plan = super().epoch_plan(epoch, keep)
+        plan.shapes = self._bucketed(epoch)[1]
+        return plan
+
+    def epoch_shapes(self, epoch: int):
+        """The bucket of every batch of ``epoch`` (as :meth:`BatchSampler.epoch_shapes`)."""
+        from megatron_branchnorm.data.dataset import EpochPlan
+
+        return EpochPlan(epoch, None, None, None, None, {}, shapes=self._bucketed(epoch)[1])
+
+    def identity(self) -> dict:
+        """The bucket shapes a saved position is only valid with."""
+        return {"bucket_shapes": bucket_identity(self.buckets)}
+
+    def check_state(self, state: dict) -> None:
+        """A DataError when ``state`` was saved with other bucket shapes."""
+        check_bucket_state(state, bucket_identity(self.buckets))
 
 
 def source_tokens(batch: dict) -> int:
@@ -84,6 +149,7 @@ class Update:
     all_tokens: int  # source + target, for tokens/s
     samples: int  # sentence pairs
     ids_hash: str  # sha256 prefix of the batches' id fingerprints: the order is checkable
+    shapes: list[int] | None = None  # the bucket of each of this replica's micro-batches
 
 
 class _Ahead:
@@ -110,21 +176,30 @@ class _Ahead:
 
 
 class TrainStream:
-    """The training batches (docs/design.md §15). Update ``u`` takes global batches
+    """The training batches (docs/design.md §15, §18). Update ``u`` takes global batches
     ``[u*G, (u+1)*G)`` of one seed-determined stream (``G = micro_batches x dp``); data-parallel
     rank ``d`` reads slots ``[d*micro_batches, (d+1)*micro_batches)`` of each update.
 
-    Only ranks that read data (the first and last pipeline stages) build epoch plans, and a
-    plan holds the size of every batch (the update's token count normalises the loss) but the
-    samples of this rank's batches only; the next epoch is built ahead on a thread. Other
-    stages build nothing: their updates are empty, and the checkpoint takes rank 0's position.
+    Only ranks that read data (the first and last pipeline stages) build epoch plans with
+    samples, and a plan holds the size of every batch (the update's token count normalises the
+    loss) but the samples of this rank's batches only; the next epoch is built ahead on a
+    thread. With bucket shapes (``data.bucket_shapes``), every batch a rank reads is padded to
+    its bucket's shape, and every rank, reading data or not, knows the bucket of each of its
+    replica's micro-batches (``Update.shapes``): a stage that reads no data builds the plan of
+    the shapes alone (:meth:`BatchSampler.epoch_shapes`), so the pipeline can send fixed shapes
+    without asking the stage before. Without buckets such a stage builds nothing: its updates
+    are empty. The checkpoint takes rank 0's position either way.
     """
 
     def __init__(self, cfg: ExperimentConfig, dp: int, dp_id: int, reads_data: bool = True) -> None:
         self.micro_batches, self.dp, self.dp_id = cfg.train.micro_batches, dp, dp_id
         self.per_update = self.micro_batches * dp
         self.reads_data = reads_data
-        self.source = build_batches(cfg, "train", shuffle=True) if reads_data else None
+        follows = reads_data or max_shapes_of(cfg.data.bucket_shapes) > 0
+        self.source = (
+            build_batches(cfg, "train", shuffle=True, keep_keys=reads_data) if follows else None
+        )
+        self.buckets = getattr(self.source, "buckets", None)
         self.epoch, self.position = 0, 0
         self._slot0 = 0  # the update slot of the current epoch's position 0
         self._plan = None
@@ -134,6 +209,8 @@ class TrainStream:
     # --- plans -----------------------------------------------------------------------------
 
     def _build(self, epoch: int, slot0: int):
+        if not self.reads_data:
+            return self.source.epoch_shapes(epoch)
         g, gas, d = self.per_update, self.micro_batches, self.dp_id
         return self.source.epoch_plan(epoch, lambda pos: ((pos + slot0) % g) // gas == d)
 
@@ -162,40 +239,80 @@ class TrainStream:
     # --- updates ---------------------------------------------------------------------------
 
     def next_update(self) -> Update:
-        if not self.reads_data:
+        if self.source is None:
             return Update(mine=[], target_tokens=0, all_tokens=0, samples=0, ids_hash="")
-        mine, ntokens, src_ntokens, samples, prints = [], 0, 0, 0, []
+        mine, shapes, ntokens, src_ntokens, samples, prints = [], [], 0, 0, 0, []
         for _ in range(self.per_update):
             plan, p = self._current(), self.position
-            ntokens += int(plan.ntokens[p])
-            src_ntokens += int(plan.src_ntokens[p])
-            samples += int(plan.samples[p])
-            prints.append(plan.fingerprints[p])
-            if p in plan.mine:
-                mine.append(self.source.collate(*plan.mine[p]))
+            ours = ((p + self._slot0) % self.per_update) // self.micro_batches == self.dp_id
+            if plan.shapes is not None and ours:
+                shapes.append(int(plan.shapes[p]))
+            if self.reads_data:
+                ntokens += int(plan.ntokens[p])
+                src_ntokens += int(plan.src_ntokens[p])
+                samples += int(plan.samples[p])
+                prints.append(plan.fingerprints[p])
+                if (p in plan.mine) != ours:
+                    raise RuntimeError(f"stream position {p}: the plan and the slot disagree")
+                if ours:
+                    batch = self.source.collate(*plan.mine[p])
+                    mine.append(
+                        batch if self.buckets is None else self.buckets.pad(batch, shapes[-1])
+                    )
             self.position += 1
+        if self.buckets is not None and len(shapes) != self.micro_batches:
+            raise RuntimeError(f"rank has {len(shapes)} shapes, not {self.micro_batches}")
+        if not self.reads_data:
+            return Update([], 0, 0, 0, "", shapes=shapes)
         if len(mine) != self.micro_batches:
             raise RuntimeError(f"rank read {len(mine)} micro-batches, not {self.micro_batches}")
         digest = hashlib.sha256(np.asarray(prints, dtype="<u8").tobytes()).hexdigest()[:16]
-        return Update(mine, ntokens, ntokens + src_ntokens, samples, digest)
+        return Update(
+            mine,
+            ntokens,
+            ntokens + src_ntokens,
+            samples,
+            digest,
+            shapes=shapes if self.buckets is not None else None,
+        )
 
     def direction_counts(self) -> tuple[list[str], list[int]] | None:
         """The training directions and the samples each holds (after data.max_length); None
         for synthetic data or a rank that reads no data."""
         counts = getattr(self.source, "counts", None)
-        if counts is None:
+        if counts is None or not self.reads_data:
             return None
         return list(self.source.data.directions), [int(c) for c in counts]
 
     def describe(self) -> str:
         """What this rank builds of the stream (one line, printed by every rank at start)."""
-        if not self.reads_data:
+        if self.source is None:
             return "data: this stage reads no batches and builds none"
         plan = self._current()
+        if not self.reads_data:
+            return (
+                f"data: this stage reads no batches; it follows the bucket of each of epoch "
+                f"{plan.epoch}'s {len(plan)} batches (data-parallel rank {self.dp_id} of {self.dp})"
+            )
         return (
             f"data: epoch {plan.epoch} holds {len(plan)} batches, this rank reads "
             f"{len(plan.mine)} (data-parallel rank {self.dp_id} of {self.dp}, "
             f"{self.micro_batches} micro-batches per update)"
+        )
+
+    def describe_buckets(self) -> str | None:
+        """The bucket shapes and the padding share of the current epoch's batches, measured
+        (source + target slots against real tokens); None without buckets or on a rank that
+        reads no data."""
+        if self.buckets is None or not self.reads_data:
+            return None
+        plan = self._current()
+        real = int(plan.ntokens.sum()) + int(plan.src_ntokens.sum())
+        share = self.buckets.padding_share(plan.shapes, real)
+        return (
+            f"{self.buckets.describe()}; padding {share:.1%} of the tokens of epoch "
+            f"{plan.epoch}'s {len(plan)} batches ({self.buckets.length_padding:.1%} from the "
+            "lengths alone)"
         )
 
     # --- resume ----------------------------------------------------------------------------
@@ -213,7 +330,7 @@ class TrainStream:
         taken between updates, so that batch starts an update whatever the data-parallel
         size now)."""
         self._loaded = dict(state)
-        if not self.reads_data:
+        if self.source is None:
             return
         self.source.check_state(state)
         epoch, position = int(state["epoch"]), int(state["position"])

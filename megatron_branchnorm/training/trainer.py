@@ -37,6 +37,7 @@ from megatron_branchnorm.partition import describe_plan, partition_plan, spec_na
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
+    fixed_shapes,
     install_engine_fixes,
 )
 from megatron_branchnorm.planner import auto_checkpoint_interval
@@ -167,7 +168,10 @@ class Trainer:
         self.cfg = cfg = self._settle_layout(cfg)
         torch.manual_seed(cfg.train.seed + self.rank)
         self.loss_fn = PipeLoss(cfg.train.label_smoothing)
-        module = build_pipeline_module(cfg.model, self.parts, cfg.train.seed, self.loss_fn)
+        # Fixed shapes: metadata only for a bucket's first micro-batch (docs/design.md §18)
+        module = build_pipeline_module(
+            cfg.model, self.parts, cfg.train.seed, self.loss_fn, dynamic_shape=False
+        )
         # Recompute as configured, or under "auto" where the planner says this stage would
         # not fit its device without (docs/design.md §14): it costs a forward per layer.
         self.device_memory = env.device_memory_bytes()
@@ -301,7 +305,8 @@ class Trainer:
         self.loss_fn.reset()
         self.loss_fn.scale = self.cfg.train.micro_batches * self.dp / max(update.target_tokens, 1)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.engine.train_batch(data_iter=as_engine_items(update.mine, self.engine.device))
+        with fixed_shapes(self.engine, update.shapes):  # each micro-batch's bucket, or None
+            self.engine.train_batch(data_iter=as_engine_items(update.mine, self.engine.device))
         loss_sums = reduce_loss_sums(self.loss_fn)  # on the device: read when logged
         applied = bool(self.engine.was_step_applied())
         if applied:
@@ -324,6 +329,9 @@ class Trainer:
         if self.layout_note:
             self.metrics.log(self.layout_note)
         self.metrics.log(describe_plan(cfg.model, self.parts))
+        buckets = self.stream.describe_buckets() if self.rank == 0 else None
+        if buckets is not None:  # None: data.bucket_shapes=0
+            self.metrics.log(buckets)
         counts = self.stream.direction_counts() if self.rank == 0 else None
         if counts is not None:  # None: synthetic data
             table = sampling_table(*counts, cfg.data.sampling_temperature)

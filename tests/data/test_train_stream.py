@@ -17,7 +17,7 @@ from megatron_branchnorm.training.data import TrainStream, build_batches
 MAX_TOKENS = 300
 
 
-def _cfg(data_dir, micro_batches: int, dataset: str | None = None):
+def _cfg(data_dir, micro_batches: int, dataset: str | None = None, *extra: str):
     return load_config(
         "tiny_cpu",
         [
@@ -25,6 +25,7 @@ def _cfg(data_dir, micro_batches: int, dataset: str | None = None):
             f"data.max_tokens={MAX_TOKENS}",
             "data.max_length=64",
             f"train.micro_batches={micro_batches}",
+            *extra,
         ],
     )
 
@@ -73,7 +74,8 @@ def test_each_rank_reads_its_share_of_the_global_stream(small_data, dp, gas) -> 
 
 
 def test_a_stage_without_data_builds_nothing(small_data) -> None:
-    cfg = _cfg(small_data[0], 2)
+    """Without bucket shapes (with them it follows the shapes: tests/data/test_buckets.py)."""
+    cfg = _cfg(small_data[0], 2, None, "data.bucket_shapes=0")
     stream = TrainStream(cfg, 2, 1, reads_data=False)
     update = stream.next_update()
     assert stream.source is None and update.mine == [] and update.target_tokens == 0

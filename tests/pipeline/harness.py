@@ -5,7 +5,9 @@
 Parity (same weights, same batch): the 2-stage pipeline's loss and gradients vs the flat
 model's, for each residual scheme, with activation checkpointing off and on; the batch goes
 through the pipeline as 2 micro-batches, and stage 0 (which sends both x_dec and memory) counts
-how often backward walks through its first encoder layer. Then three
+how often backward walks through its first encoder layer. Once more with bucket shapes
+(:func:`bucket_items`: 3 micro-batches padded to two fixed shapes, padding rows included, sent
+as fixed shapes) against the unpadded flat model. Then three
 Trainer runs (2 stages, dropout 0): 20 steps uninterrupted, 10 steps, and a resume to 20.
 """
 
@@ -26,6 +28,7 @@ from megatron_branchnorm.partition import engine_param_to_flat_key, partition_pl
 from megatron_branchnorm.pipeline import (
     PipeLoss,
     build_pipeline_module,
+    fixed_shapes,
     install_engine_fixes,
 )
 from megatron_branchnorm.synthetic import SyntheticData, collate
@@ -34,10 +37,49 @@ from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 from megatron_branchnorm.training.trainer import Trainer
 
 SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
+BUCKET_KEYS = [0, 1, 0]
+"""The buckets of bucket_items' micro-batches: the first shape comes again (no metadata)."""
 
 
-def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = "balanced") -> None:
-    """Pipeline (as many stages as ranks, split by ``layout``) vs flat model, one batch."""
+def bucket_items(batch: dict) -> list:
+    """``batch``'s 8 sentences as 3 micro-batches (3, 3, 2 sentences) padded by
+    ``Buckets.pad`` to two fixed shapes, each with padding rows and columns: the first shape
+    (4 x S+2 x T+1) for micro-batches 0 and 2, the second (4 x S+4 x T+3) for 1."""
+    from megatron_branchnorm.data.buckets import Buckets, LengthHistogram
+    from megatron_branchnorm.tokens import PAD_ID
+
+    s, t = batch["src_tokens"].shape[1], batch["target"].shape[1]
+    hist = LengthHistogram()
+    hist.add(
+        (batch["src_tokens"] != PAD_ID).sum(1).numpy(),
+        (batch["target"] != PAD_ID).sum(1).numpy(),
+        1,
+        1,
+    )
+    buckets = Buckets([(s + 2, t + 1), (s + 4, t + 3)], 4 * (s + 4), hist.weights)
+    assert [b.rows for b in buckets.shapes] == [4, 4], buckets.describe()
+    items, start = [], 0
+    for n, key in zip((3, 3, 2), BUCKET_KEYS, strict=True):
+        part = {
+            k: batch[k][start : start + n] for k in ("src_tokens", "prev_output_tokens", "target")
+        }
+        padded = buckets.pad(part, key)
+        items.append(((padded["src_tokens"], padded["prev_output_tokens"]), padded["target"]))
+        start += n
+    return items
+
+
+def parity(
+    out: dict,
+    scheme: str,
+    ckpt_interval: int,
+    rank: int,
+    layout: str = "balanced",
+    buckets: bool = False,
+) -> None:
+    """Pipeline (as many stages as ranks, split by ``layout``) vs flat model, one batch; with
+    ``buckets``, the pipeline's micro-batches are :func:`bucket_items`' padded ones, sent as
+    fixed shapes (``dynamic_shape=False``), and the flat model's batch is not padded."""
     world = dist.get_world_size()
     cfg = load_config(
         "tiny_cpu",
@@ -55,9 +97,11 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
     batch = collate(data, list(range(8)))
     loss_fn = PipeLoss(0.1)
     ntokens = batch["ntokens"]
-    micro = 2
+    micro = 3 if buckets else 2
     loss_fn.scale = micro / ntokens  # DeepSpeed averages over micro-batches (PipeLoss)
-    module = build_pipeline_module(cfg, parts, seed, loss_fn, ckpt_interval)
+    module = build_pipeline_module(
+        cfg, parts, seed, loss_fn, ckpt_interval, dynamic_shape=not buckets
+    )
     set_branch_scale(module, cfg, step)
     grads: dict[str, torch.Tensor] = {}
     names = spec_names(cfg)
@@ -79,6 +123,14 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
     }
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
     install_engine_fixes(engine)
+    metas = [0]  # DeepSpeed's shape metadata sent by this stage
+    send_meta = engine._send_tensor_meta
+
+    def counting_meta(buffer, recv_stage):  # noqa: ANN001
+        metas[0] += 1
+        return send_meta(buffer, recv_stage)
+
+    engine._send_tensor_meta = counting_meta
     walks = [0]
     if engine.stage_id == 0:  # entry 1 is encoder layer 0
         first = next(p for n, p in module.named_parameters() if n.startswith("1."))
@@ -90,7 +142,10 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
         )
         for i in (0, 4)
     ]
-    loss = float(engine.train_batch(data_iter=iter(items)))  # mean over micro-batches
+    if buckets:
+        items = bucket_items(batch)
+    with fixed_shapes(engine, BUCKET_KEYS if buckets else None):
+        loss = float(engine.train_batch(data_iter=iter(items)))  # mean over micro-batches
 
     flat = build_model(cfg, seed)
     flat.set_step(step)
@@ -102,21 +157,39 @@ def parity(out: dict, scheme: str, ckpt_interval: int, rank: int, layout: str = 
     for name, g in grads.items():
         r = ref[name].grad
         worst = max(worst, float((g - r).norm() / max(float(r.norm()), 1e-12)))
-    key = f"{scheme}_ckpt{ckpt_interval}"
+    key = f"{scheme}_ckpt{ckpt_interval}" + ("_buckets" if buckets else "")
     gathered = [None] * world
-    mine = {"n": len(grads), "worst": worst, "walks": walks[0], "tied": "embedding.weight" in grads}
+    mine = {
+        "n": len(grads),
+        "worst": worst,
+        "walks": walks[0],
+        "tied": "embedding.weight" in grads,
+        "metas": metas[0],
+    }
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         out["parity"][key] = {
             "loss": loss,
-            "ref_loss": float(ref_loss / ntokens),
+            "ref_loss": float(ref_loss.detach() / ntokens),
             "grad_params": sum(g["n"] for g in gathered),
             "embed_copies": sum(g["tied"] for g in gathered),  # stages holding the tied matrix
             "flat_params": len(ref),
             "worst_rel_grad_err": max(g["worst"] for g in gathered),
             "micro_batches": micro,
             "stage0_encoder_walks": gathered[0]["walks"],
+            "metadata_sends": [g["metas"] for g in gathered],
         }
+
+
+def check_bucket_parity(result: dict, stages: int) -> None:
+    """What a ``parity(..., buckets=True)`` result must show at ``stages`` stages: the loss and
+    gradients of the unpadded flat model (docs/design.md §5), and shape metadata sent once per
+    bucket by every stage but the last, not once per micro-batch."""
+    assert abs(result["loss"] - result["ref_loss"]) <= 1e-6 * abs(result["ref_loss"]), result
+    assert result["worst_rel_grad_err"] <= 1e-5, result
+    assert result["grad_params"] == result["flat_params"] + result["embed_copies"] - 1
+    assert result["micro_batches"] == len(BUCKET_KEYS)
+    assert result["metadata_sends"] == [len(set(BUCKET_KEYS))] * (stages - 1) + [0], result
 
 
 def trainer_run(workdir: Path, name: str, steps: int, extra: tuple[str, ...] = ()) -> None:
@@ -145,6 +218,7 @@ def main() -> None:
     for scheme in SCHEMES:
         for interval in (0, 1):
             parity(out, scheme, interval, rank)
+    parity(out, "branchnorm", 1, rank, buckets=True)
     trainer_run(out_dir, "full", 20)
     trainer_run(out_dir, "resume", 10)
     trainer_run(out_dir, "resume", 20)

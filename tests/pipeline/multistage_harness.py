@@ -6,7 +6,9 @@ A middle stage both receives activations and receives gradients; with 2 stages t
 On WORLD_SIZE ranks (= stages) this runs:
 
 1. parity with the flat model (same weights, one batch as 2 micro-batches, activation
-   checkpointing on) for each residual scheme, split by the layouts of PARITY_LAYOUTS;
+   checkpointing on) for each residual scheme, split by the layouts of PARITY_LAYOUTS, and
+   once per layout with bucket shapes (harness.bucket_items: padded micro-batches sent as
+   fixed shapes, against the unpadded flat model);
 2. Trainer runs of tests/pipeline/test_multistage.py's RUNS for this world size (dropout 0,
    activation checkpointing on, token-based batches of varying shapes), each compared there
    with the one-process run of the same model.
@@ -45,6 +47,10 @@ def main() -> None:
             if rank == 0:
                 for value in result["parity"].values():
                     out["parity"][f"{scheme}|{layout}"] = value
+        result = {"parity": {}}
+        parity(result, "branchnorm", 1, rank, layout, buckets=True)
+        if rank == 0:
+            out["parity"][f"buckets|{layout}"] = result["parity"]["branchnorm_ckpt1_buckets"]
     for name, spec in RUNS.items():
         if spec["world"] == world:
             cfg = load_config("tiny_cpu", run_overrides(name, out_dir))

@@ -29,7 +29,7 @@ from tests.faults.common import (
     wait_all,
 )
 from tests.pipeline.conftest import ROOT, launch_ranks
-from tests.pipeline.harness import SCHEMES
+from tests.pipeline.harness import SCHEMES, check_bucket_parity
 from tests.pipeline.multistage import BASE, PARITY_LAYOUTS, RUNS, STEPS, run_overrides
 
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
@@ -97,6 +97,19 @@ def test_multistage_matches_flat_model(multistage, world, layout, scheme):
     # every flat parameter got a gradient, the tied embedding once per stage that holds it
     assert r["embed_copies"] >= 2
     assert r["grad_params"] == r["flat_params"] + r["embed_copies"] - 1
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [(w, layout) for w, layouts in PARITY_LAYOUTS.items() for layout in layouts],
+)
+def test_multistage_with_buckets_matches_flat_model(multistage, world, layout):
+    """Padded micro-batches of two fixed shapes (padding rows included), sent as fixed shapes
+    through middle stages: the unpadded flat model's loss and gradients, and the shapes'
+    metadata sent once per bucket (docs/design.md §18)."""
+    out, _ = multistage
+    results = json.loads((out / f"multistage{world}.json").read_text())["parity"]
+    check_bucket_parity(results[f"buckets|{layout}"], world)
 
 
 @pytest.mark.parametrize("name", ["s3_mixed", "s3_switch", "s4_layout", "s4_resume_ref"])

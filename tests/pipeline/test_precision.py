@@ -240,17 +240,25 @@ def fp16(tmp_path_factory) -> Path:
 
 def test_fp16_overflow_skips_lower_the_scale_and_advance_nothing(fp16):
     rows = _rows(fp16 / "full")
-    skips = [r for r in rows if r.get("skipped")]
+    all_skips = [r for r in rows if r.get("skipped")]
+    first = next(i for i, r in enumerate(rows) if "loss" in r)
+    skips, later = rows[:first], [r for r in rows[first:] if r.get("skipped")]
     applied = [r for r in rows if "loss" in r]
-    # every overflow halves the scale (hysteresis 1), starting from 2^30
-    assert len(skips) >= 3
-    assert [r["loss_scale"] for r in skips] == [2.0 ** (29 - i) for i in range(len(skips))]
+    # every overflow halves the scale (hysteresis 1), starting from 2^30: first the run of
+    # skips that finds a scale fp16 can hold, none of which advances the step
+    assert len(skips) >= 3 and all(r.get("skipped") for r in skips)
+    assert [r["loss_scale"] for r in all_skips] == [2.0 ** (29 - i) for i in range(len(all_skips))]
     assert all(r["step"] == 0 and r["update"] == 1 for r in skips)  # no step advanced
-    assert [r["skipped_steps"] for r in skips] == list(range(1, len(skips) + 1))
+    assert [r["skipped_steps"] for r in all_skips] == list(range(1, len(all_skips) + 1))
+    # a later overflow (the data's, at the lowered scale) skips its update too: the step
+    # stays at the last applied one and the update is the next one
+    for r in later:
+        before = [a for a in applied if a["step"] <= r["step"]]
+        assert before and r["step"] == before[-1]["step"] and r["update"] == r["step"] + 1
     # the applied updates count from 1 with the scale the skips left
     assert [r["step"] for r in applied] == [1, 2, 3, 4]
     assert applied[0]["loss_scale"] == skips[-1]["loss_scale"]
-    assert applied[-1]["skipped_steps"] == len(skips)
+    assert applied[-1]["skipped_steps"] == len(all_skips)
     # LR schedule and BranchNorm's t were not advanced by the skips: update 1's values
     fp32 = _updates(fp16 / "fp32")[1]
     assert applied[0]["lr"] == fp32["lr"] and applied[0]["alpha"] == fp32["alpha"]
@@ -268,7 +276,12 @@ def test_fp16_loss_scale_survives_a_resume(fp16):
     full, split = _updates(fp16 / "full"), _rows(fp16 / "split")
     resumed = [r for r in split if "loss" in r and r["step"] > 2]
     skips_after_resume = [r for r in split if r.get("skipped") and r["step"] >= 2]
-    assert not skips_after_resume  # the scale was not reset to 2^30
+    full_skips = [r for r in _rows(fp16 / "full") if r.get("skipped") and r["step"] >= 2]
+    # the scale was not reset to 2^30: after the resume the run skips exactly where the
+    # uninterrupted one did (a later overflow of the data), at the same scale
+    assert [(r["step"], r["loss_scale"]) for r in skips_after_resume] == [
+        (r["step"], r["loss_scale"]) for r in full_skips
+    ]
     assert [r["step"] for r in resumed] == [3, 4]
     for r in resumed:
         for key in ("loss", "nll_loss", "lr", "alpha", "grad_norm", "loss_scale"):
