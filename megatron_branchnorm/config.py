@@ -34,6 +34,7 @@ BRANCHNORM_SCHEDULES = ("linear", "exp", "sigmoid")
 BRANCH_INITS = ("auto", "deepnet", "xavier")
 LAYERNORM_IMPLS = ("auto", "apex", "torch")
 ACTIVATIONS = ("relu", "gelu")
+CUDA_GRAPH_MODES = ("off", "on", "auto")
 
 
 MAX_OVERRIDE_CHARS = 1 << 16
@@ -94,6 +95,14 @@ class ModelConfig:
     """Run each encoder and decoder layer's forward through torch.compile (inductor, dynamic
     shapes; aot_eager where no C++ compiler is found): model/compile.py. Off until a GPU shows
     the gain (docs/performance.md); the weights are the same either way."""
+    cuda_graphs: str = "off"
+    """Each stage's encoder/decoder layer stack captured as CUDA graphs (forward and backward)
+    per bucket shape and replayed (training/cuda_graphs.py, docs/design.md §19): off | on |
+    auto. Off until ``make gpu-bench`` shows graphs correct and faster on a GPU. Where a stage
+    cannot be graphed (no CUDA, data.bucket_shapes=0, activation checkpointing, model.compile,
+    a DeepSpeed JSON other than bf16 with immediate_grad_update) it runs eagerly and one line
+    says why; auto says nothing on a machine without CUDA. Quote
+    it in YAML ("on"): unquoted, YAML reads on and off as booleans."""
 
 
 @dataclass
@@ -537,6 +546,11 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     )
     _check(m.layernorm_eps > 0, f"{prefix}.layernorm_eps", f"must be > 0, got {m.layernorm_eps}")
     _check(m.max_positions >= 2, f"{prefix}.max_positions", f"must be >= 2, got {m.max_positions}")
+    _check(
+        m.cuda_graphs in CUDA_GRAPH_MODES,
+        f"{prefix}.cuda_graphs",
+        f"unknown mode {quote(m.cuda_graphs)} (choose from {', '.join(CUDA_GRAPH_MODES)})",
+    )
 
 
 def validate(cfg: ExperimentConfig) -> None:

@@ -89,6 +89,12 @@ class StageBias:
             cls._src, cls._bias = src_tokens, padding_bias(src_tokens, PAD_ID, dtype)
         return cls._bias
 
+    @classmethod
+    def clear(cls) -> None:
+        """Forget the cached bias: the next :meth:`get` builds it (at the start of a region a
+        CUDA graph captures, so the capture computes it from the graph's ids buffer)."""
+        cls._src = cls._bias = None
+
 
 class EncoderLayerPipe(EncoderLayer):
     """An EncoderLayer on the (x, src, prev) tuple; same parameter names as EncoderLayer.

@@ -17,6 +17,8 @@ One table, one row per system and batch size (tokens per side per update):
   (``bench_models.model_flops`` at each micro-batch's shape, scaled by its share of real
   tokens), divided by the bf16 matmul peak measured at the start of the same run. Peak memory
   is beside the planner's prediction (``planner.plan_run``) for the same run.
+- **train.py+graphs**: the same with ``model.cuda_graphs=on`` (training/cuda_graphs.py: the
+  layer stack replayed from CUDA graphs per bucket shape), on CUDA only.
 - **ours, flat model**; **torch.nn.Transformer**, eager and under ``torch.compile`` (default
   mode); **torchscale 0.3.0** (DeepNorm), each at the same shape: a plain loop of forward under
   ``torch.autocast`` (bf16), the same fp32 label-smoothed loss, backward and a fused AdamW step
@@ -55,10 +57,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("train.py", "ours", "torch", "torch-compiled", "torchscale")
+SYSTEMS = ("train.py", "train.py+graphs", "ours", "torch", "torch-compiled", "torchscale")
 """What the table compares, in its row order (``--systems`` picks some)."""
 
-RUN_ORDER = ("train.py", "torchscale", "torch", "ours", "torch-compiled")
+RUN_ORDER = ("train.py", "train.py+graphs", "torchscale", "torch", "ours", "torch-compiled")
 """The order the systems run in at each size: what the issue's goals compare first, the
 compile (minutes) last."""
 RESERVE_S = {"torch-compiled": 180.0}
@@ -66,6 +68,7 @@ RESERVE_S = {"torch-compiled": 180.0}
 
 LABELS = {
     "train.py": "train.py (Trainer, 1 stage, zero1_bf16.json)",
+    "train.py+graphs": "train.py, model.cuda_graphs=on",
     "ours": "ours, flat model, plain loop",
     "torch": "torch.nn.Transformer (post-LN)",
     "torch-compiled": "torch.nn.Transformer, torch.compile",
@@ -290,15 +293,24 @@ def _one_rank() -> Iterator[None]:
 
 
 def run_train_py(
-    shape: Shape, tokens: int, updates: int, device: str, work: Path, extra: list[str]
+    shape: Shape,
+    tokens: int,
+    updates: int,
+    device: str,
+    work: Path,
+    extra: list[str],
+    system: str = "train.py",
 ) -> Result:
-    """train.py's Trainer in this process (module docstring); its steady state."""
+    """train.py's Trainer in this process (module docstring); its steady state, as the row of
+    ``system`` (train.py+graphs: with ``model.cuda_graphs=on``)."""
     import torch
 
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.planner import plan_run
 
-    save_dir = work / f"train_py_{tokens}"
+    if system == "train.py+graphs":
+        extra = [*extra, "model.cuda_graphs=on"]
+    save_dir = work / f"{system.replace('.', '_').replace('+', '_')}_{tokens}"
     cfg = load_config("tiny_cpu", train_overrides(shape, tokens, updates, save_dir, extra))
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
     planned = plan_run(cfg, 1, float(memory), stages=1).peak()
@@ -347,7 +359,7 @@ def run_train_py(
         del trainer
     dts = clock.intervals()
     return Result(
-        "train.py",
+        system,
         tokens,
         ms_per_update=steady_state(dts) * 1e3,
         tokens_per_s=steady_state([n / dt for n, dt in zip(tokens_done, dts, strict=False)]),
@@ -397,6 +409,8 @@ def loop_skip_reason(system: str, device: str) -> str | None:
     """Why ``system`` does not run here (one line), or None."""
     if system == "torchscale":
         return torchscale_missing()
+    if system == "train.py+graphs" and device != "cuda":
+        return "not run on the CPU (CUDA graphs need a CUDA device)"
     if system == "torch-compiled":
         if device != "cuda":
             return "not run on the CPU (inductor's CPU compile takes minutes; a GPU question)"
@@ -532,10 +546,10 @@ def run_bench(
                 row = Result(
                     system, n, note=f"not run: the --max-minutes {max_minutes:g} are spent"
                 )
-            elif system == "train.py":
-                row = run_train_py(shape, n, updates, device, work, extra)
             elif (reason := loop_skip_reason(system, device)) is not None:
                 row = Result(system, n, note=reason)
+            elif system in ("train.py", "train.py+graphs"):
+                row = run_train_py(shape, n, updates, device, work, extra, system)
             else:
                 try:
                     row = run_loop(system, shape, n, updates, device)

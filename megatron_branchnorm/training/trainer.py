@@ -42,7 +42,7 @@ from megatron_branchnorm.pipeline import (
 )
 from megatron_branchnorm.planner import auto_checkpoint_interval
 from megatron_branchnorm.run_lock import LockError, RunLock
-from megatron_branchnorm.training import collectives, stop_signals
+from megatron_branchnorm.training import collectives, cuda_graphs, stop_signals
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
 from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
@@ -203,7 +203,18 @@ class Trainer:
                 f"rejects it: {one_line(str(exc), 300)}"
             ) from None
         install_engine_fixes(self.engine)
-        install_bf16_grad_accumulation(self.engine)  # bf16 grads into fp32 in one kernel (§2.3)
+        bf16_hooks = install_bf16_grad_accumulation(self.engine)  # one kernel each (§2.3)
+        # CUDA graphs of the stage's layer stack per bucket shape (docs/design.md §19)
+        self.graphed = cuda_graphs.install(
+            module,
+            cfg.model.cuda_graphs,
+            device=torch.device(self.engine.device),
+            bucket_shapes=cfg.data.bucket_shapes,
+            checkpoint_interval=self.ckpt_interval,
+            compiled=cfg.model.compile,
+            grads_handed_over=bf16_hooks and self.engine.optimizer.immediate_grad_update,
+            log=self._stage_log,
+        )
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.stage_id = self.engine.stage_id
         dp_id = self.engine.grid.data_parallel_id
@@ -237,6 +248,11 @@ class Trainer:
         self.skips = NonfiniteSkips(
             t.max_consecutive_skips, self.fp32, self.save_dir, self.metrics, self.rank == 0
         )
+
+    def _stage_log(self, line: str) -> None:
+        """A line about this stage, printed by its first data-parallel replica."""
+        if self.engine.grid.data_parallel_id == 0:
+            print(f"rank {self.rank} (stage {self.engine.stage_id}): {line}", flush=True)
 
     def train(self) -> int:
         """Run to train.max_steps (or the time budget, or a signal, or early stopping);

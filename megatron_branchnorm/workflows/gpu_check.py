@@ -26,10 +26,12 @@ It prints one table. On the device (``cuda`` when available):
    of the updates, as ``make gpu-bench`` takes it), the fraction of the device's measured bf16
    matmul peak, peak memory beside the planner's prediction; on a GPU also with
    ``model.compile=true`` and, where Apex is importable, with Apex off;
-5. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and the
+5. **CUDA graphs**: on a GPU, a short train.py run with ``model.cuda_graphs=on`` against the
+   same run eager: losses within the bf16 loss tolerance, and the layers really captured;
+6. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and the
    host syncs per micro-batch (``experiments/launches.py``, opus100_200L's settings);
-6. **2 stages end to end**: with 2 or more devices, train.py as 2 stages in bf16 + ZeRO-1;
-7. **pipeline parity**: with 2 or more devices (``--ranks``), 2 and 4 stages against 1 stage
+7. **2 stages end to end**: with 2 or more devices, train.py as 2 stages in bf16 + ZeRO-1;
+8. **pipeline parity**: with 2 or more devices (``--ranks``), 2 and 4 stages against 1 stage
    over 8 updates (fp32, NCCL on GPUs), as the CPU tests do over gloo.
 
 The 1-stage pipeline and the flat model in the same precision differ by the order of a few
@@ -330,6 +332,35 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     return rows
 
 
+GRAPHS_RUN = ["model.dropout=0.0", "data.bucket_shapes=2", "train.micro_batches=2",
+              "train.max_steps=8", "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0",
+              "pipeline.stages=1", f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}"]  # fmt: skip
+"""The short run graphed and eager (bf16 + ZeRO-1, tiny_cpu's model, no dropout; 2 bucket
+shapes, so most of the 16 micro-batches replay a graph past the 2 eager calls per shape)."""
+
+
+def cuda_graph_rows(device: str, work: Path) -> list[Row]:
+    """train.py with ``model.cuda_graphs=on`` against ``off`` (training/cuda_graphs.py), 8
+    updates in bf16 + ZeRO-1: the losses within bf16's loss tolerance (docs/design.md §5, as
+    the precision rows), and the graphed run's log saying its layers were captured."""
+    name = "CUDA graphs: graphed run vs eager, 8 updates, bf16: loss"
+    if device != "cuda":
+        return [Row(name, "not run: no CUDA device")]
+    _launch(1, [*GRAPHS_RUN, "model.cuda_graphs=off"], work / "graphs_off", timeout=900)
+    try:
+        _launch(1, [*GRAPHS_RUN, "model.cuda_graphs=on"], work / "graphs_on", timeout=900)
+    except RuntimeError as exc:  # the graphed run failed: this row fails, the table goes on
+        return [Row(name, f"the graphed run failed: {str(exc)[-300:]}", "", False)]
+    ref = {r["step"]: r["loss"] for r in _updates(work / "graphs_off")}
+    got = {r["step"]: r["loss"] for r in _updates(work / "graphs_on")}
+    worst = max(_rel(got[s], ref[s]) for s in ref) if ref and set(got) == set(ref) else math.inf
+    log = (work / "graphs_on.rank0.log").read_text()
+    captured = "first graph captured" in log
+    tol = TOL["bf16"]["loss"]
+    return [Row(name, f"{worst:.1e}" + ("" if captured else " (the layers ran eagerly: see the log)"),
+                f"{tol:g}", worst <= tol and captured)]  # fmt: skip
+
+
 def launch_rows(device: str) -> list[Row]:
     """Kernel-launching ops per layer per micro-batch inside train_batch and host syncs per
     micro-batch (experiments/launches.py) with opus100_200L's settings on a GPU (the CUDA
@@ -405,6 +436,7 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
     rows += precision_rows(device, precisions)
     rows += apex_rows(device)
     rows += throughput_rows(device, work, steps)
+    rows += cuda_graph_rows(device, work)
     rows += launch_rows(device)
     rows += two_stage_rows(ranks, work)
     rows += parity_rows(ranks, work)

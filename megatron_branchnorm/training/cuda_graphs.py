@@ -1,0 +1,358 @@
+"""``model.cuda_graphs``: each stage's encoder and decoder layer stack captured as CUDA graphs,
+forward and backward, once per bucket shape, and replayed (issue 41; docs/design.md §19).
+
+The model does not know (../shared/STYLE.md rule 16): :func:`install` replaces each contiguous
+run of ``EncoderLayerPipe`` / ``DecoderLayerPipe`` / ``FinalNormPipe`` entries of a built
+stage's ``forward_funcs`` (the list DeepSpeed's ``PipelineModule.forward`` calls in order) by
+one :class:`GraphedRange`. The embedding, the tied output projection and the loss stay eager,
+and so do DeepSpeed's send/recv, which run between ``forward`` calls, never inside one.
+
+A :class:`GraphedRange` per call:
+
+- runs the layers eagerly when autograd is off or the layers are in eval mode (validation);
+- keys the call by its input shapes, dtypes and ``requires_grad`` (one bucket shape of
+  docs/design.md §18 gives one key);
+- runs a key's first ``warmup`` calls eagerly (cuBLAS handles, the allocator, the LayerNorm
+  backend choice are made outside any capture), checking that the layers pass every tuple
+  element but the first through unchanged;
+- then replays a graph of that key, capturing it first (``torch.cuda.make_graphed_callables``
+  on a fresh wrapper module around the same layers, with clones of the call's inputs as the
+  static input buffers; the call itself then runs by replay).
+
+Only the first tuple element, the hidden states, leaves the graph: the ids and the encoder
+output a decoder layer passes on are returned as the very tensors that came in, so their
+gradients and the next stage's sends see the eager objects.
+
+In flight. A graph's outputs and saved activations live in static memory that its next replay
+overwrites. A pipeline stage runs up to ``stages - stage_id`` forwards before their backwards
+(DeepSpeed's 1F1B schedule), so a graph is busy from its forward until the gradient of its
+output arrives (a hook on the output), and a forward whose key's graphs are all busy uses (or
+captures) the graph of the next free in-flight slot. Graphs of one slot share one memory pool
+(they never overlap in time: a slot holds one micro-batch's forward-to-backward window); slots
+have their own pools. Each graph keeps its own static output and gradient buffers, parameter
+gradients included, so at most ``max_graphs`` graphs are captured per stage; a key past that
+runs eagerly, said once.
+
+Parameter gradients are graph outputs (``make_graphed_callables`` computes them with
+``torch.autograd.grad`` inside the backward graph); autograd's AccumulateGrad adds them into
+``.grad`` outside the graph, so the first micro-batch's hand-over and the later ones' fp32
+accumulation (DeepSpeed's hooks, training/bf16_grads.py) stay eager, as the capture audit
+requires (experiments/capture_audit.py). The trap: the gradient handed to AccumulateGrad is a
+detached view of the graph's static buffer, and a ``.grad`` that is None *takes* it (no copy),
+so ``.grad`` then aliases memory the graph's next replay overwrites. That is harmless only
+where each gradient leaves ``.grad`` before the next backward (DeepSpeed's bf16 optimizer with
+``immediate_grad_update``: its post-accumulate hooks add it into the fp32 buffer and set
+``.grad`` to None, or keep it until the end of that backward: bf16_grads.py); an engine whose
+``.grad`` carries gradients across micro-batches (fp32, fp16, bf16 without the flag) stays
+eager.
+
+BranchNorm's alpha_t is a 0-dim buffer filled in place (a graph input by address). Dropout on CUDA draws from torch's default generator, whose Philox
+offset a capture registers and each replay advances. The stage's padding bias cache
+(``pipeline.StageBias``) is cleared at the start of the wrapped region, so the bias is computed
+inside the graph from the static ids buffer, not read from a tensor made before the capture.
+
+Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
+without ``make_graphed_callables(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
+activation checkpointing on the stage (the recompute runs a forward inside the backward),
+``model.compile``, parameter gradients kept in ``.grad`` across micro-batches, module hooks on
+a layer, or no layer to graph on the stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_branchnorm.config import CUDA_GRAPH_MODES
+from megatron_branchnorm.pipeline import (
+    DecoderLayerPipe,
+    EncoderLayerPipe,
+    FinalNormPipe,
+    StageBias,
+)
+
+MODES = CUDA_GRAPH_MODES
+"""The values of ``model.cuda_graphs``."""
+
+WARMUP = 2
+"""Eager calls of a key before its graph is captured."""
+
+MAX_GRAPHS = 64
+"""Graphs captured per stage at most (each holds its own output and gradient buffers)."""
+
+GraphFactory = Callable[[nn.Module, tuple, Any], Callable[..., torch.Tensor]]
+"""``factory(module, sample_args, pool)`` -> the graphed callable of ``module``."""
+
+_LAYER_TYPES = (EncoderLayerPipe, DecoderLayerPipe)
+_RANGE_TYPES = (EncoderLayerPipe, DecoderLayerPipe, FinalNormPipe)
+
+
+def eager_reason(
+    *,
+    device: torch.device,
+    bucket_shapes: int | str,
+    checkpoint_interval: int,
+    compiled: bool,
+    grads_handed_over: bool,
+) -> str | None:
+    """None when a stage on ``device`` with these settings can be graphed; else the one-line
+    reason it runs eagerly."""
+    if device.type != "cuda":
+        return f"no CUDA device (the stage runs on {device.type})"
+    make = getattr(torch.cuda, "make_graphed_callables", None)
+    if make is None or "pool" not in inspect.signature(make).parameters:
+        return f"torch {torch.__version__} has no torch.cuda.make_graphed_callables(pool=...)"
+    if bucket_shapes == 0:
+        return "data.bucket_shapes=0: micro-batch shapes vary and a graph replays fixed shapes"
+    if checkpoint_interval > 0:
+        return (
+            f"activation checkpointing on this stage (every {checkpoint_interval} layers) "
+            "recomputes the forward inside the backward, which a captured backward cannot "
+            "replay: the stage pays eager launches, as without graphs"
+        )
+    if compiled:
+        return "model.compile=true: the compiled layer bodies are not captured as graphs"
+    if not grads_handed_over:
+        return (
+            "parameter gradients stay in .grad from one micro-batch to the next (only bf16 "
+            "with immediate_grad_update in the DeepSpeed JSON hands them over at once): "
+            "AccumulateGrad may keep a graph's gradient buffer as .grad, which the next "
+            "replay overwrites"
+        )
+    return None
+
+
+def _graph_factory(module: nn.Module, sample_args: tuple, pool: Any) -> Callable:
+    """torch's autograd-aware capture of ``module`` (forward and backward graphs); a parameter
+    without a gradient (none in our layers today) gets None rather than an error."""
+    return torch.cuda.make_graphed_callables(
+        module, sample_args, num_warmup_iters=3, allow_unused_input=True, pool=pool
+    )
+
+
+def _new_pool() -> Any:
+    return torch.cuda.graph_pool_handle()
+
+
+class LayerRun(nn.Module):
+    """The layers of one range run in order on a flat argument list: what is captured. Returns
+    the first element of the last layer's output (the hidden states)."""
+
+    def __init__(self, layers: Sequence[nn.Module], as_tuple: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.as_tuple = as_tuple
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        StageBias.clear()  # the bias is computed inside the region from these ids
+        h: Any = args if self.as_tuple else args[0]
+        for layer in self.layers:
+            h = layer(h)
+        return h[0] if isinstance(h, tuple) else h
+
+
+@dataclass
+class _Graph:
+    fn: Callable[..., torch.Tensor]
+    busy: bool = False
+
+
+@dataclass
+class _Key:
+    calls: int = 0
+    slots: dict[int, _Graph] = field(default_factory=dict)
+    tuple_out: bool = False
+    said_eager: bool = False
+
+
+class GraphedRange:
+    """A run of layer entries of a stage's ``forward_funcs``, replayed from per-shape graphs
+    (module docstring); called as DeepSpeed calls a layer: ``range(inputs)``."""
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        log: Callable[[str], None],
+        name: str,
+        factory: GraphFactory = _graph_factory,
+        new_pool: Callable[[], Any] = _new_pool,
+        warmup: int = WARMUP,
+        budget: list[int] | None = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.log = log
+        self.name = name
+        self.factory = factory
+        self.new_pool = new_pool
+        self.warmup = warmup
+        self.budget = budget if budget is not None else [MAX_GRAPHS]
+        """Graphs this range may still capture (a list shared by a stage's ranges)."""
+        self.keys: dict[tuple, _Key] = {}
+        self.pools: dict[int, Any] = {}
+        self.disabled: str | None = None
+        self.captures = self.replays = 0
+
+    def eager(self, inputs: Any) -> Any:
+        """The layers as DeepSpeed would call them."""
+        for layer in self.layers:
+            inputs = layer(inputs)
+        return inputs
+
+    def __call__(self, inputs: Any) -> Any:
+        as_tuple = isinstance(inputs, tuple)
+        args = inputs if as_tuple else (inputs,)
+        if (
+            self.disabled
+            or not torch.is_grad_enabled()
+            or not self.layers[0].training
+            or not all(isinstance(a, torch.Tensor) for a in args)
+        ):
+            return self.eager(inputs)
+        key = (as_tuple, *((tuple(a.shape), a.dtype, a.requires_grad) for a in args))
+        state = self.keys.setdefault(key, _Key())
+        state.calls += 1
+        if state.calls <= self.warmup:
+            out = self.eager(inputs)
+            self._check_passthrough(args, out, state)
+            return out
+        graph = self._graph(key, state, args, as_tuple)
+        if graph is None:
+            return self.eager(inputs)
+        x = graph.fn(*args)
+        graph.busy = True
+        if x.requires_grad:
+            x.register_hook(lambda grad, g=graph: self._release(g))
+        else:  # nothing will flow back: the graph's buffers are free again after this call
+            graph.busy = False
+        self.replays += 1
+        return (x, *args[1:]) if state.tuple_out else x
+
+    def _release(self, graph: _Graph) -> None:
+        graph.busy = False
+
+    def _check_passthrough(self, args: tuple, out: Any, state: _Key) -> None:
+        """The layers must return a tensor, or a tuple of the inputs' length whose elements
+        after the first are the inputs themselves; else this range stays eager."""
+        if isinstance(out, tuple):
+            state.tuple_out = True
+            same = len(out) == len(args) and all(
+                o is a for o, a in zip(out[1:], args[1:], strict=False)
+            )
+            if not same or not isinstance(out[0], torch.Tensor):
+                self._disable("its layers do not pass the tuple's other tensors through")
+        elif not isinstance(out, torch.Tensor):
+            self._disable(f"its layers return {type(out).__name__}")
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        self.log(f"cuda graphs: {self.name} runs eagerly: {reason}")
+
+    def _graph(self, key: tuple, state: _Key, args: tuple, as_tuple: bool) -> _Graph | None:
+        """A free graph of ``key`` (the lowest in-flight slot with none of its graphs busy),
+        captured now if that slot has none; None when the stage's graph budget is spent."""
+        busy = {s for k in self.keys.values() for s, g in k.slots.items() if g.busy}
+        slot = next(s for s in range(len(busy) + 1) if s not in busy)
+        graph = state.slots.get(slot)
+        if graph is not None:
+            return graph
+        if self.budget[0] <= 0:
+            if not state.said_eager:
+                state.said_eager = True
+                shapes = ", ".join(str(tuple(a.shape)) for a in args)
+                self.log(
+                    f"cuda graphs: {self.name}: inputs of shapes {shapes} (in-flight slot "
+                    f"{slot}) run eagerly: the stage's graph budget is spent"
+                )
+            return None
+        self.budget[0] -= 1
+        if slot not in self.pools:
+            self.pools[slot] = self.new_pool()
+        sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        fn = self.factory(LayerRun(self.layers, as_tuple), sample, self.pools[slot])
+        graph = state.slots[slot] = _Graph(fn)
+        self.captures += 1
+        if self.captures == 1:
+            shapes = ", ".join(str(tuple(a.shape)) for a in args)
+            self.log(f"cuda graphs: {self.name}: first graph captured, inputs of shapes {shapes}")
+        return graph
+
+
+def layer_runs(funcs: Sequence[Any]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each maximal run of graphable entries of ``funcs`` that holds at
+    least one encoder or decoder layer."""
+    runs, start = [], None
+    for i, f in enumerate([*funcs, None]):
+        if isinstance(f, _RANGE_TYPES):
+            start = i if start is None else start
+            continue
+        if start is not None and any(isinstance(g, _LAYER_TYPES) for g in funcs[start:i]):
+            runs.append((start, i))
+        start = None
+    return runs
+
+
+def _hooked(layers: Sequence[nn.Module]) -> str | None:
+    for layer in layers:
+        for name, m in layer.named_modules():
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+                return f"{type(layer).__name__}{'.' + name if name else ''}"
+    return None
+
+
+def install(
+    module: nn.Module,
+    mode: str,
+    *,
+    device: torch.device,
+    bucket_shapes: int | str,
+    checkpoint_interval: int,
+    compiled: bool,
+    grads_handed_over: bool,
+    log: Callable[[str], None],
+    factory: GraphFactory = _graph_factory,
+    new_pool: Callable[[], Any] = _new_pool,
+    max_graphs: int = MAX_GRAPHS,
+) -> list[GraphedRange]:
+    """Graph ``module``'s layer runs (a built stage: its ``forward_funcs``) as ``mode`` says;
+    ``grads_handed_over``: each parameter's gradient leaves ``.grad`` as soon as backward has
+    written it (module docstring, "Parameter gradients"); returns the ranges installed (none: the stage runs eagerly, and unless ``mode`` is off, or
+    auto on a machine without CUDA, one line through ``log`` says why)."""
+    if mode not in MODES:
+        raise ValueError(f"model.cuda_graphs: unknown mode {mode!r}")
+    if mode == "off":
+        return []
+    reason = eager_reason(
+        device=device,
+        bucket_shapes=bucket_shapes,
+        checkpoint_interval=checkpoint_interval,
+        compiled=compiled,
+        grads_handed_over=grads_handed_over,
+    )
+    funcs = module.forward_funcs
+    runs = layer_runs(funcs)
+    if reason is None and not runs:
+        reason = "this stage holds no encoder or decoder layer"
+    hooked = next((h for a, b in runs if (h := _hooked(funcs[a:b]))), None)
+    if reason is None and hooked:
+        reason = f"{hooked} has module hooks, which a replay would skip"
+    if reason is not None:
+        if mode == "on" or device.type == "cuda":
+            log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")
+        return []
+    budget = [max_graphs]
+    ranges = []
+    for a, b in reversed(runs):
+        name = f"layers {a}-{b - 1} of the stage"
+        graphed = GraphedRange(funcs[a:b], log, name, factory, new_pool, budget=budget)
+        funcs[a:b] = [graphed]
+        ranges.append(graphed)
+    log(
+        f"model.cuda_graphs={mode}: {len(ranges)} layer range(s) captured per bucket shape "
+        f"after {WARMUP} eager calls (at most {max_graphs} graphs)"
+    )
+    return ranges[::-1]

@@ -1,0 +1,404 @@
+"""``model.cuda_graphs`` (training/cuda_graphs.py; docs/design.md §19) on a CPU.
+
+No capture can run here. What can: the switch's validation; the one-line reasons a stage runs
+eagerly; the bookkeeping of :class:`GraphedRange` with a stand-in graph factory (the wrapped
+layers run directly): a key is captured once after its warm-up and replayed afterwards, a new
+shape captures its own graph, a second micro-batch in flight takes a graph of its own in a
+memory pool of its own, the graph budget, validation eager; the same losses and gradients as
+the eager layers, bit for bit, with the ids and the encoder output passed through as the very
+tensors that came in; and the region a graph captures (:class:`LayerRun`, forward and backward)
+passes the capture audit. The graphed run against the eager one on a GPU is the GPU check's
+row (workflows/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_branchnorm.config import ConfigError, load_config
+from megatron_branchnorm.experiments.capture_audit import audited, replay_difference
+from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
+from megatron_branchnorm.pipeline import (
+    DecoderLayerPipe,
+    EncoderLayerPipe,
+    FinalNormPipe,
+    StageBias,
+)
+from megatron_branchnorm.tokens import PAD_ID
+from megatron_branchnorm.training import cuda_graphs
+from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, install
+
+from .helpers import random_tokens, tiny_config
+
+CUDA = torch.device("cuda")  # only named: nothing here runs on it
+ELIGIBLE = {
+    "device": CUDA,
+    "bucket_shapes": "auto",
+    "checkpoint_interval": 0,
+    "compiled": False,
+    "grads_handed_over": True,
+}
+"""A stage that can be graphed."""
+
+
+def test_the_switch_takes_off_on_auto_and_refuses_the_rest() -> None:
+    assert load_config("tiny_cpu").model.cuda_graphs == "off"
+    for mode in ("off", "on", "auto"):
+        assert load_config("tiny_cpu", [f"model.cuda_graphs={mode}"]).model.cuda_graphs == mode
+    for bad in ("yes", "true", "On"):
+        with pytest.raises(ConfigError, match=r"model\.cuda_graphs: unknown mode") as exc:
+            load_config("tiny_cpu", [f"model.cuda_graphs={bad}"])
+        assert "\n" not in str(exc.value) and "off, on, auto" in str(exc.value)
+
+
+def _reason(**kw) -> str | None:
+    return eager_reason(**{**ELIGIBLE, **kw})
+
+
+def test_each_reason_to_run_eagerly_is_one_line() -> None:
+    assert _reason() is None
+    cases = {
+        "no CUDA device": {"device": torch.device("cpu")},
+        "data.bucket_shapes=0": {"bucket_shapes": 0},
+        "activation checkpointing on this stage (every 2 layers)": {"checkpoint_interval": 2},
+        "model.compile=true": {"compiled": True},
+        "parameter gradients stay in .grad": {"grads_handed_over": False},
+    }
+    for needle, kw in cases.items():
+        line = _reason(**kw)
+        assert line is not None and needle in line and "\n" not in line, (needle, line)
+
+
+def _stage(cfg) -> types.SimpleNamespace:
+    """A stage's forward_funcs as DeepSpeed holds them: embedding, encoder layers, final norm,
+    decoder embedding, decoder layers, final norm, output (the non-layer entries plain
+    functions)."""
+    (a_enc, b_enc), (a_dec, b_dec) = stack_constants(cfg)
+    enc = [EncoderLayerPipe(cfg, a_enc, b_enc, 1, i) for i in range(cfg.encoder_layers)]
+    dec = [DecoderLayerPipe(cfg, a_dec, b_dec, 1, i) for i in range(cfg.decoder_layers)]
+
+    def embed(inputs):
+        return inputs
+
+    def dec_embed(inputs):
+        return inputs
+
+    funcs = [embed, *enc, FinalNormPipe(cfg), dec_embed, *dec, FinalNormPipe(cfg), embed]
+    return types.SimpleNamespace(forward_funcs=funcs, layers=nn.ModuleList(enc + dec))
+
+
+class FakeFactory:
+    """Stands in for make_graphed_callables: records each capture and returns the wrapper
+    module itself (its layers run directly)."""
+
+    def __init__(self) -> None:
+        self.captures: list[tuple] = []
+        self.replays = 0
+
+    def __call__(self, module: nn.Module, sample: tuple, pool):
+        assert isinstance(module, LayerRun)
+        assert all(not s.requires_grad or s.is_leaf for s in sample)  # clones, not the inputs
+        self.captures.append((tuple(tuple(s.shape) for s in sample), pool))
+
+        def graphed(*args):
+            self.replays += 1
+            return module(*args)
+
+        return graphed
+
+
+def _install(stage, factory=None, max_graphs=cuda_graphs.MAX_GRAPHS, **kw):
+    lines: list[str] = []
+    pools = iter(range(100))
+    ranges = install(
+        stage, "on", **{**ELIGIBLE, **kw}, log=lines.append, factory=factory or FakeFactory(),
+        new_pool=lambda: next(pools), max_graphs=max_graphs,
+    )  # fmt: skip
+    return ranges, lines
+
+
+def test_on_a_cpu_the_stage_is_left_exactly_as_built() -> None:
+    stage = _stage(tiny_config())
+    before = list(stage.forward_funcs)
+    lines: list[str] = []
+    cpu = {**ELIGIBLE, "device": torch.device("cpu")}
+    for mode, said in (("off", 0), ("auto", 0), ("on", 1)):
+        lines.clear()
+        assert install(stage, mode, log=lines.append, **cpu) == []
+        assert len(lines) == said, (mode, lines)
+        assert all(a is b for a, b in zip(stage.forward_funcs, before, strict=True))
+    assert "model.cuda_graphs=on: layers run eagerly: no CUDA device" in lines[0]
+    for kw in (
+        {"bucket_shapes": 0},
+        {"checkpoint_interval": 1},
+        {"compiled": True},
+        {"grads_handed_over": False},
+    ):
+        ranges, said = _install(stage, **kw)
+        assert ranges == [] and len(said) == 1, said
+        assert all(a is b for a, b in zip(stage.forward_funcs, before, strict=True))
+
+
+def _batch(cfg, rows: int, s: int, t: int, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    src, prev = random_tokens(rows, s, seed), random_tokens(rows, t, seed + 1)
+    src[0, s // 2 :] = PAD_ID
+    x_enc = torch.randn(rows, s, cfg.hidden_size, generator=gen).requires_grad_()
+    x_dec = torch.randn(rows, t, cfg.hidden_size, generator=gen).requires_grad_()
+    return x_enc, x_dec, src, prev
+
+
+def _forward(funcs, batch) -> tuple[torch.Tensor, tuple]:
+    """The stage's entries as DeepSpeed runs them, with the decoder embedding's input made
+    of the encoder's output (as decoder_embed_fn does); returns the output and the encoder
+    run's result."""
+    x_enc, x_dec, src, prev = batch
+    h = (x_enc, src, prev)
+    enc_out = None
+    for f in funcs:
+        if f.__class__.__name__ == "function" and f.__name__ == "dec_embed":
+            enc_out = h
+            h = (x_dec, h[0], src)
+        h = f(h)
+    return h, enc_out
+
+
+def _loss_and_grads(stage, funcs, batch):
+    for p in stage.layers.parameters():
+        p.grad = None
+    out, enc_out = _forward(funcs, batch)
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in stage.layers.parameters()]
+    return loss.detach(), grads, enc_out, [batch[0].grad.clone(), batch[1].grad.clone()]
+
+
+def test_capture_once_per_shape_after_warmup_then_replay_bit_identical() -> None:
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10)
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    eager_funcs = list(stage.forward_funcs)
+    factory = FakeFactory()
+    ranges, lines = _install(stage, factory)
+    assert len(ranges) == 2 and len(stage.forward_funcs) == len(eager_funcs) - (
+        cfg.encoder_layers + cfg.decoder_layers
+    )
+    assert len(lines) == 1 and "2 layer range(s) captured per bucket shape" in lines[0]
+    shapes = [(2, 8, 6)] * (cuda_graphs.WARMUP + 3) + [(3, 5, 4)] * (cuda_graphs.WARMUP + 1)
+    for i, shape in enumerate(shapes):
+        set_branch_scale(stage.layers, cfg, i + 1)
+        batch = _batch(cfg, *shape, seed=i)
+        want = _loss_and_grads(stage, eager_funcs, batch)
+        for t in batch[:2]:
+            t.grad = None
+        got = _loss_and_grads(stage, stage.forward_funcs, batch)
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True))
+        assert got[2][1] is batch[2] and got[2][2] is batch[3]  # ids passed through as given
+    # 2 ranges x 2 shapes captured once each, after WARMUP eager calls of that shape
+    assert len(factory.captures) == 4, factory.captures
+    assert factory.replays == 2 * (3 + 1)
+    assert [r.captures for r in ranges] == [2, 2]
+    assert {pool for _, pool in factory.captures} == {0, 1}  # one pool per range, slot 0
+    assert sum("first graph captured" in line for line in lines) == 2, lines  # one per range
+
+
+def test_a_second_micro_batch_in_flight_takes_its_own_graph_and_pool() -> None:
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    factory = FakeFactory()
+    (enc, dec), _ = _install(stage, factory)
+    for i in range(cuda_graphs.WARMUP):
+        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, i))
+    outs = [_forward(stage.forward_funcs, _batch(cfg, 2, 8, 6, 10 + i))[0] for i in range(2)]
+    assert [len(k.slots) for k in enc.keys.values()] == [2]  # two forwards before a backward
+    assert sorted(enc.pools) == [0, 1] and enc.pools[0] != enc.pools[1]
+    for out in outs:
+        out.float().pow(2).mean().backward()
+    assert not any(g.busy for k in enc.keys.values() for g in k.slots.values())
+    _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, 20))
+    assert len(factory.captures) == 4  # slot 0 replayed again, nothing new captured
+    with torch.no_grad():  # validation: eager, no capture, nothing in flight
+        _forward(stage.forward_funcs, _batch(cfg, 2, 8, 6, 30))
+    assert len(factory.captures) == 4 and dec.replays == 3
+
+
+def test_past_the_graph_budget_a_shape_runs_eagerly_said_once() -> None:
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    factory = FakeFactory()
+    _, lines = _install(stage, factory, max_graphs=2)
+    for shape in [(2, 8, 6)] * (cuda_graphs.WARMUP + 1) + [(3, 5, 4)] * (cuda_graphs.WARMUP + 2):
+        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, *shape, 0))
+    assert len(factory.captures) == 2
+    spent = [line for line in lines if "graph budget is spent" in line]
+    assert len(spent) == 2 and all("(3, 5, 32)" in line for line in spent), lines  # per range
+
+
+def test_the_captured_region_passes_the_capture_audit() -> None:
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1)
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    enc = stage.forward_funcs[1 : 1 + cfg.encoder_layers + 1]
+    dec = stage.forward_funcs[3 + cfg.encoder_layers : -1]
+    enc_run, dec_run = LayerRun(enc, as_tuple=True), LayerRun(dec, as_tuple=True)
+    audits = []
+    for seed, step in ((1, 3), (2, 7)):
+        x_enc, x_dec, src, prev = _batch(cfg, 3, 7, 6, seed)
+        set_branch_scale(stage.layers, cfg, step)
+        stage.layers.zero_grad(set_to_none=True)
+        grad = torch.randn(3, 6, cfg.hidden_size)
+        # the padding-bias cache cold for the first batch, warm with these very ids for the
+        # second (as make_graphed_callables' warm-up leaves it): the region computes the bias
+        # itself either way, so a capture never reads a bias made outside the graph
+        StageBias.clear() if seed == 1 else StageBias.get(src, x_enc.dtype)
+        with audited() as audit:
+            memory = enc_run(x_enc, src, prev)
+            dec_run(x_dec, memory, src).backward(grad)
+        audits.append(audit)
+    for audit in audits:
+        assert audit.findings == [] and audit.host_syncs == 0, [f.line() for f in audit.findings]
+    assert replay_difference(*audits) is None
+    assert len(audits[0].calls) > 50
+
+
+def emulated_make_graphed(module: nn.Module, sample: tuple, pool):
+    """make_graphed_callables' contract on a CPU, as far as a caller can see it: the inputs
+    copied into the static ``sample`` tensors, the output in one static buffer and the input
+    and parameter gradients in static buffers that every replay overwrites, handed back as
+    detached views (so AccumulateGrad may take one as ``.grad``); parameter gradients through
+    ``torch.autograd.grad``. A replay of the same graph before the previous one's backward
+    fails (the static inputs were modified in place)."""
+    params = tuple(module.parameters())
+    wrt = [s for s in sample if s.requires_grad] + list(params)
+    static: dict[str, object] = {}
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            for s, x in zip(sample, inputs, strict=False):
+                s.copy_(x)
+            with torch.enable_grad():
+                ctx.out = module(*sample)
+            out = static.setdefault("out", torch.empty_like(ctx.out))
+            out.copy_(ctx.out.detach())
+            return out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            grads = torch.autograd.grad(ctx.out, wrt, grad, allow_unused=True)
+            bufs = static.setdefault("grads", [torch.zeros_like(w) for w in wrt])
+            for b, g in zip(bufs, grads, strict=True):
+                b.zero_() if g is None else b.copy_(g)
+            it = iter(bufs)
+            ins = [next(it).detach() if s.requires_grad else None for s in sample]
+            return (*ins, *(next(it).detach() for _ in params))
+
+    return lambda *args: Replay.apply(*args, *params)
+
+
+def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> list:
+    """``count`` engine items of one bucket shape (rows x s x t), each other sentences."""
+    from megatron_branchnorm.synthetic import SyntheticData, collate
+
+    data = SyntheticData(64, cfg.model.vocab_size, 20)
+    items = []
+    for i in range(count):
+        b = collate(data, list(range(i * rows, (i + 1) * rows)))
+
+        def pad(x, n):
+            return nn.functional.pad(x, (0, n - x.shape[1]), value=PAD_ID)
+
+        items.append(
+            ((pad(b["src_tokens"], s), pad(b["prev_output_tokens"], t)), pad(b["target"], t))
+        )
+    return items
+
+
+def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
+    """Three updates of two micro-batches of one bucket shape through a 1-stage engine (lr 0):
+    each update's loss and gradient (norm for bf16, the summed vector for fp32); with
+    ``graphs``, the layer ranges replayed from :func:`emulated_make_graphed` after warm-up."""
+    import deepspeed
+
+    from megatron_branchnorm.partition import partition_plan
+    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
+    from megatron_branchnorm.resources import DS_CONFIG_DIR
+    from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
+    from megatron_branchnorm.training.ds_config import load_ds_config
+    from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
+
+    over = ["model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0.0",
+            "train.micro_batches=2", "train.clip_grad=0.0"]  # fmt: skip
+    if precision == "bf16":
+        over.append(f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}")
+    cfg = load_config("tiny_cpu", over)
+    torch.manual_seed(0)
+    loss_fn = PipeLoss(0.1)
+    module = build_pipeline_module(cfg.model, partition_plan(cfg.model, 1, "balanced"), 1, loss_fn)
+    set_branch_scale(module, cfg.model, 3)
+    grads: list[torch.Tensor] = []
+
+    class Recording(SkipNonfiniteAdamW):
+        def step(self, closure=None):
+            grads.append(torch.cat([p.grad.reshape(-1).clone() for p in self._params()]))
+            return super().step(closure)
+
+        def _params(self):
+            return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    opt = Recording([p for p in module.parameters() if p.requires_grad], lr=0.0)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=opt, config=load_ds_config(cfg, 1)
+    )
+    install_engine_fixes(engine)
+    hooks = install_bf16_grad_accumulation(engine)
+    ranges = []
+    handed = hooks and engine.optimizer.immediate_grad_update  # as the trainer computes it
+    if graphs:
+        ranges, _ = _install(
+            module, emulated_make_graphed,
+            grads_handed_over=handed if handed_over is None else handed_over,
+        )  # fmt: skip
+    losses, norms = [], []
+    batches = _fixed_batches(cfg, 6)
+    for update in range(3):
+        items = batches[2 * update : 2 * update + 2]
+        loss_fn.scale = 2 / sum(int((y != PAD_ID).sum()) for _, y in items)
+        losses.append(float(engine.train_batch(data_iter=iter(items))))
+        norms.append(float(engine.get_global_grad_norm()) if precision == "bf16" else None)
+    return {"loss": losses, "norm": norms, "grads": grads, "ranges": ranges, "handed": handed}
+
+
+@pytest.mark.distributed
+def test_through_the_engine_graphed_equals_eager_and_the_grad_trap_is_refused() -> None:
+    from .helpers import one_rank_process_group
+
+    with one_rank_process_group():
+        eager = _engine_run("bf16", graphs=False)
+        graphed = _engine_run("bf16", graphs=True)
+        assert [r.replays for r in graphed["ranges"]] == [4, 4]  # 6 micro-batches, 2 warm-up
+        assert graphed["loss"] == eager["loss"] and graphed["norm"] == eager["norm"]
+        # fp32: .grad keeps gradients across micro-batches, so the trainer's condition says
+        # no and install refuses (test_on_a_cpu_the_stage_is_left_exactly_as_built)...
+        ref = _engine_run("fp32", graphs=False)
+        assert ref["handed"] is False and eager["handed"] is True
+        # ...because graphing it anyway adds the last replay's gradient twice
+        forced = _engine_run("fp32", graphs=True, handed_over=True)
+        assert forced["loss"] == ref["loss"]
+        assert not torch.equal(forced["grads"][-1], ref["grads"][-1])
+
+
+def test_gpu_bench_runs_the_graphed_train_py_row_on_cuda_only() -> None:
+    from megatron_branchnorm.experiments import gpu_bench
+
+    assert "train.py+graphs" in gpu_bench.SYSTEMS and "train.py+graphs" in gpu_bench.RUN_ORDER
+    assert gpu_bench.loop_skip_reason("train.py+graphs", "cuda") is None
+    assert "not run on the CPU" in gpu_bench.loop_skip_reason("train.py+graphs", "cpu")
