@@ -9,6 +9,7 @@ decides for itself when it is due; :class:`trainer.Trainer` only calls them.
 - ``validation``: validation loss every eval_interval, early stopping;
 - ``metrics``: ``metrics.jsonl`` (its one writer and one reader), console, TensorBoard;
 - ``stopping``: signals, the time budget, errors of one rank, non-finite updates;
+- ``cuda_graphs``: the stage's layer stack as CUDA graphs per bucket shape, or eager;
 - ``grad_norm``: the all-stage gradient norm and the skip of non-finite updates (fp32);
 - ``state``: the training position (step, samples) that a checkpoint saves and restores;
 - ``stop_signals``: SIGUSR1/SIGTERM/SIGINT and the launcher watch, installed first of all;
