@@ -32,8 +32,6 @@ What the CPU still cannot show: which kernels an op launches, device-to-host cop
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron_branchnorm.experiments.launches import is_host_sync
+from megatron_branchnorm.experiments.launches import call_site, is_host_sync
 
 HOST_READ_METHODS = ("tolist", "numpy", "cpu", "__array__")
 """Tensor methods that read a tensor's values on the host. On a CPU tensor they dispatch no
@@ -59,18 +57,7 @@ _MISSING = object()
 def _site(skip: str = __file__) -> str:
     """``file:line function`` of the innermost caller in megatron_branchnorm, deepspeed or the
     tests (not this module, not torch); ``?`` when there is none."""
-    here = os.path.abspath(skip)
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if os.path.abspath(path) != here:
-            for root in ("megatron_branchnorm", "deepspeed", "tests"):
-                marker = f"{os.sep}{root}{os.sep}"
-                if marker in path:
-                    rel = root + os.sep + path.rsplit(marker, 1)[1]
-                    return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
+    return call_site(skip, ("megatron_branchnorm", "deepspeed", "tests"))
 
 
 def syncs_host(func: Any) -> bool:

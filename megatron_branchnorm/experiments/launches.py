@@ -162,15 +162,17 @@ def is_host_sync(func: Any) -> bool:
     return name in HOST_SYNC_OPS or name.lstrip("_").startswith("unique")
 
 
-def _sync_site() -> str:
-    """``file:line function`` of the innermost caller in megatron_branchnorm or deepspeed (the
-    frames of torch and of this module are skipped); ``?`` when there is none."""
-    frame = sys._getframe(2)
-    here = os.path.abspath(__file__)
+def call_site(
+    skip: str = __file__, roots: tuple[str, ...] = ("megatron_branchnorm", "deepspeed")
+) -> str:
+    """``file:line function`` of the innermost caller under one of ``roots`` (the frames of
+    torch and of the module ``skip`` are skipped); ``?`` when there is none."""
+    here = os.path.abspath(skip)
+    frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if os.path.abspath(path) != here:
-            for root in ("megatron_branchnorm", "deepspeed"):
+            for root in roots:
                 marker = f"{os.sep}{root}{os.sep}"
                 if marker in path:
                     rel = root + os.sep + path.rsplit(marker, 1)[1]
@@ -242,7 +244,7 @@ class LaunchCounter(TorchDispatchMode):
             self.skipped[kind] += 1
         if kind != "other" and is_host_sync(func):
             self.syncs[func._overloadpacket.__name__] += 1
-            self.sync_sites[_sync_site()] += 1
+            self.sync_sites[call_site()] += 1
             self.sync_phases[self.phase] += 1
         if kind in ("kernel", "alloc"):
             self._track(args, kwargs, out, name)
