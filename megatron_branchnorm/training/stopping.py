@@ -1,16 +1,21 @@
 """When a run stops early, agreed by all ranks: a stop signal (SIGUSR1/SIGTERM, recorded by
 :mod:`megatron_branchnorm.training.stop_signals`) on any rank, the wall-clock budget, or an error of
 one rank alone (a full disk under metrics.jsonl). Every rank takes the same decision after
-the same update, so no rank waits for another in a collective (docs/design.md §3, §6.4)."""
+the same update (on NCCL one update after it was asked: :class:`Stopper`), so no rank waits
+for another in a collective (docs/design.md §3, §6.4)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training import collectives, stop_signals
+from megatron_branchnorm.training.data import to_device
 
 
 class TrainError(UserError, RuntimeError):
@@ -32,7 +37,16 @@ def agree_or_raise(world: int, error: str | None) -> None:
 class Stopper:
     """The stop decision after each update (:meth:`check`) and before the first
     (:meth:`signalled_before_start`). ``local_error`` returns this rank's own error or None;
-    ``elapsed`` the seconds trained so far, which the time budget is measured against."""
+    ``elapsed`` the seconds trained so far, which the time budget is measured against.
+
+    Reading the agreed flags on the host is a host sync. On gloo (CPU) the all-reduce has
+    finished when it returns, so :meth:`check` reads this update's flags at once. On NCCL
+    (``deferred``, the default where the communication device is a GPU) it would wait for
+    the update's kernels a second time (the first being the optimizer's own read), so
+    :meth:`check` sends this update's flags from pinned host memory, copies the result back
+    into pinned host memory without blocking, and reads the flags the previous check sent:
+    their copy finished before the optimizer's read of this update. A stop is then taken
+    one update later than it was asked for, on every rank alike (docs/design.md §3)."""
 
     def __init__(
         self,
@@ -40,21 +54,74 @@ class Stopper:
         max_time_minutes: float,
         local_error: Callable[[], str | None],
         elapsed: Callable[[], float],
+        deferred: bool | None = None,
     ) -> None:
         self.world = world
         self.budget_min = max_time_minutes
         self.local_error = local_error
         self.elapsed = elapsed  # seconds of training so far (the metrics' clock)
+        self.deferred = deferred  # None: decided at the first check (NCCL: True)
+        self._buffers: tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray] | None = None
+        self._in_flight: tuple[torch.cuda.Event | None, str | None] | None = None
 
-    def _agree(self, time_up: bool) -> tuple[bool, bool]:
-        """(a stop signal reached some rank, the time budget is spent), agreed by all ranks;
-        a rank's own error makes every rank raise it."""
+    def _flags(self, time_up: bool) -> tuple[list[float], str | None]:
+        """(signal received, time budget spent, this rank failed) as floats, and the error."""
         error = self.local_error()
         flags = [float(stop_signals.received() != 0), float(time_up), float(error is not None)]
-        signalled, time_up, failed = collectives.to_host(collectives.all_reduce(flags, op="max"))
+        return flags, error
+
+    def _decide(self, flags: Sequence[float], error: str | None) -> tuple[bool, bool]:
+        """(signalled, time up) from agreed ``flags``; raises on every rank when one failed."""
+        signalled, time_up, failed = flags
         if failed:
             agree_or_raise(self.world, error)
         return bool(signalled), bool(time_up)
+
+    def _agree(self, time_up: bool) -> tuple[bool, bool]:
+        """(a stop signal reached some rank, the time budget is spent), agreed by all ranks
+        now; a rank's own error makes every rank raise it."""
+        flags, error = self._flags(time_up)
+        return self._decide(collectives.to_host(collectives.all_reduce(flags, op="max")), error)
+
+    def _agree_previous(self, time_up: bool) -> tuple[bool, bool]:
+        """The deferred :meth:`_agree`: the flags agreed at the previous check ((False, False)
+        at the first), after sending this check's unless they stop the run."""
+        device = collectives.communication_device()
+        if self._buffers is None:
+            pinned = device.type == "cuda"
+            send = torch.zeros(3, dtype=torch.float64, pin_memory=pinned)
+            host = torch.zeros(3, dtype=torch.float64, pin_memory=pinned)
+            # numpy views of the host buffers, made once: reading them is a read of host memory
+            self._buffers = (send, send.numpy(), host, host.numpy())
+        send, send_view, host, host_view = self._buffers
+        previous = (False, False)
+        if self._in_flight is not None:
+            done, error = self._in_flight
+            self._in_flight = None
+            if done is not None:
+                done.synchronize()  # recorded before this update's kernels: already complete
+            previous = self._decide(host_view.tolist(), error)
+            if any(previous):
+                return previous
+        flags, error = self._flags(time_up)
+        send_view[:] = flags  # its previous copy to the device is complete (the event above)
+        reduced = collectives.all_reduce(to_device(send, device), op="max")
+        host.copy_(reduced, non_blocking=device.type == "cuda")
+        done = None
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._in_flight = (done, error)
+        return previous
+
+    def settle(self) -> None:
+        """At the end of the loop, however it ended (every rank ends it at the same update):
+        a rank's error that a deferred check has not agreed on yet (one of the last update)
+        is raised on every rank now, never lost to an exit 0. Nothing to do when each check
+        agreed at once."""
+        if self.deferred:
+            self._in_flight = None  # the last flags sent are superseded by this agreement
+            self._agree(False)
 
     def signalled_before_start(self) -> bool:
         """A signal came while the ranks were starting (it is forgotten: nothing was trained
@@ -65,9 +132,13 @@ class Stopper:
         return False
 
     def check(self) -> str | None:
-        """After an update: ``"signal"``, ``"time"`` or None (train on)."""
+        """After an update: ``"signal"``, ``"time"`` or None (train on); deferred, on the
+        flags the previous check sent (class docstring)."""
+        if self.deferred is None:
+            self.deferred = collectives.communication_device().type == "cuda"
         time_up = bool(self.budget_min) and self.elapsed() >= self.budget_min * 60
-        signalled, time_up = self._agree(time_up)
+        agree = self._agree_previous if self.deferred else self._agree
+        signalled, time_up = agree(time_up)
         if signalled:
             stop_signals.clear()
             return "signal"

@@ -308,6 +308,7 @@ class Trainer:
                 self.checkpointer.save()
         else:
             self.checkpointer.save_if_missing()
+        self.stopper.settle()  # an error of the last update a deferred check has not read
         collectives.barrier()
         return exit_code
 

@@ -102,11 +102,19 @@ UPDATE_OVERRIDES = [
 ]
 
 
-def _train_counted(save_dir, ds: str, multi_tensor: bool | None = None) -> dict:
-    """The real trainer (tiny_cpu, 1 stage, in this process) for 3 updates; the host syncs of
-    updates 2 and 3 inside ``train_batch`` (HostSyncCounter), and what the run ends with."""
+def _train_counted(
+    save_dir, ds: str, multi_tensor: bool | None = None, signal_in: int | None = None
+) -> dict:
+    """The real trainer (tiny_cpu, 1 stage, in this process) for 3 updates, its stop check
+    deferred as on NCCL (training/stopping.py); the host syncs of updates 2 and 3 inside
+    ``train_batch``, those of the whole of update 2 (from its start to the start of update 3:
+    alpha, train_batch, the loss sums, the stop check, the bookkeeping; not the collation of
+    its batches on the host; update 3 logs its row), and what the run ends with. ``signal_in``: SIGUSR1 during that update."""
+    import signal
+
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.experiments.capture_audit import HostSyncCounter
+    from megatron_branchnorm.formats import checkpoint as ckpt
     from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
     from megatron_branchnorm.training.trainer import Trainer
 
@@ -116,24 +124,61 @@ def _train_counted(save_dir, ds: str, multi_tensor: bool | None = None) -> dict:
          f"train.save_dir={save_dir}"],
     )  # fmt: skip
     trainer = Trainer(cfg)
+    trainer.stopper.deferred = True  # CUDA's path (gloo reads the flags at once)
     if multi_tensor is not None:
         assert install_bf16_grad_accumulation(trainer.engine, multi_tensor=multi_tensor)
     counter, calls, original = HostSyncCounter(), [], trainer.engine.train_batch
+    whole, updates, update = HostSyncCounter(), [], trainer._update
 
     def train_batch(*args, **kwargs):
         calls.append(1)
+        if len(calls) == signal_in:
+            signal.raise_signal(signal.SIGUSR1)
         if len(calls) == 1:  # the first update: lazy optimizer state
             return original(*args, **kwargs)
         with counter:
             return original(*args, **kwargs)
 
+    def counted_update(t: int):
+        updates.append(t)
+        if len(updates) == 2:
+            whole.__enter__()
+        elif len(updates) == 3:
+            whole.__exit__(None, None, None)
+        return update(t)
+
+    next_update = trainer.stream.next_update
+
+    def host_batches():
+        """The update's batches, left out of the count: collated on the host (CPU tensors
+        that to_device copies to the GPU later), their reads wait for no device."""
+        if len(updates) != 2:
+            return next_update()
+        whole.__exit__(None, None, None)
+        try:
+            return next_update()
+        finally:
+            whole.__enter__()
+
     trainer.engine.train_batch = train_batch
+    trainer.stream.next_update = host_batches
+    trainer._update = counted_update
     trainer.checkpointer.save_if_missing = lambda *_a, **_k: None
-    assert trainer.train() == 0
+    try:
+        code = trainer.train()
+    finally:
+        if len(updates) == 2:  # stopped after update 2: the count ends with the run
+            whole.__exit__(None, None, None)
     opt = trainer.engine.optimizer
     return {
+        "exit_code": code,
+        "step": trainer.state.step,
+        "updates": len(updates),
+        "latest": ckpt.read_latest(save_dir),
         "syncs_per_update": counter.host_syncs / (len(calls) - 1),
         "sites": dict(counter.sites),
+        "whole_update_syncs": whole.host_syncs,
+        "whole_update_sites": dict(whole.sites),
         "weights": [p.detach().clone() for p in trainer.module.parameters()],
         "master": [t.detach().clone() for t in getattr(opt, "fp32_groups_flat_partition", [])],
         "grad_norm": float(trainer.engine.get_global_grad_norm()),
@@ -157,7 +202,7 @@ def update_runs(tmp_path_factory):
     try:
         with one_rank_process_group():
             yield {
-                "fp32": _train_counted(base / "fp32", "cpu_fp32"),
+                "fp32": _train_counted(base / "fp32", "cpu_fp32", signal_in=2),
                 "bf16": _train_counted(base / "bf16", "zero1_bf16"),
                 "bf16_multi": _train_counted(base / "bf16m", "zero1_bf16", multi_tensor=True),
             }
@@ -190,3 +235,153 @@ def test_multi_tensor_bf16_accumulation_is_bit_identical(update_runs) -> None:
     assert acc.adds == backward_passes, (acc.adds, multi["param_tensors"])
     assert multi["param_tensors"] > 20 and not acc.pending
     assert not hasattr(ref["accumulation"], "adds")  # the CPU keeps DeepSpeed's method
+
+
+@pytest.mark.parametrize("run", ["fp32", "bf16", "bf16_multi"])
+def test_one_host_sync_per_whole_update(update_runs, run: str) -> None:
+    """At most one host sync in the whole of an unlogged update on the trainer's path (alpha_t,
+    the batches' copies, train_batch, the loss sums, the stop check, the skip and step
+    bookkeeping; the collation on the host of CPU tensors is left out as it waits for no GPU):
+    the one inside train_batch. The stop check's flags are read one check later from host
+    memory (on CUDA pinned, copied without blocking): before, ``Stopper.check`` read this
+    update's all-reduced flags with ``tolist`` (a second wait for the GPU, and on CUDA a
+    third in the pageable ``torch.tensor(flags, device=...)``)."""
+    r = update_runs[run]
+    assert r["whole_update_syncs"] == 1, r["whole_update_sites"]
+
+
+def test_deferred_stop_is_taken_one_update_later_and_saved(update_runs) -> None:
+    """SIGUSR1 during update 2 of 3, the stop check deferred: the run stops after update 3 on
+    the flags sent after update 2, saves update 3 (the last applied) and exits REQUEUE."""
+    from megatron_branchnorm.formats import checkpoint as ckpt
+    from megatron_branchnorm.training import stop_signals
+    from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
+
+    r = update_runs["fp32"]
+    assert (r["exit_code"], r["step"], r["updates"]) == (REQUEUE_EXIT_CODE, 3, 3)
+    assert r["latest"] == ckpt.tag_for(3)
+    assert stop_signals.received() == 0  # the stop consumed it
+    assert update_runs["bf16"]["exit_code"] == 0
+
+
+class _ThreadWorld:
+    """Ranks as threads of this process: the all-reduce (max) and the object all-gather the
+    Stopper issues, and a stop signal, a clock and an error of each rank's own."""
+
+    def __init__(self, ranks: int) -> None:
+        import threading
+
+        self.ranks = ranks
+        self.barrier = threading.Barrier(ranks, timeout=60)
+        self.slots: list = [None] * ranks
+        self.local = threading.local()
+        self.signals = [0] * ranks
+
+    def _exchange(self, value):
+        self.slots[self.local.rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # every rank has read the slots before they are written again
+        return values
+
+    def all_reduce(self, values, op="sum", group=None, dtype=torch.float64):  # noqa: ARG002
+        assert op == "max"
+        mine = torch.as_tensor(values, dtype=dtype).clone()
+        return torch.stack(self._exchange(mine)).amax(0)
+
+    def all_gather_object(self, obj, group=None):  # noqa: ARG002
+        return self._exchange(obj)
+
+    def received(self) -> int:
+        return self.signals[self.local.rank]
+
+    def clear(self) -> None:
+        self.signals[self.local.rank] = 0
+
+
+def _checks_on_every_rank(
+    monkeypatch, deferred: bool, events: dict, checks: int = 5, settle: bool = False
+) -> list:
+    """Each of 2 thread ranks runs ``checks`` stop checks (or until one stops it), then with
+    ``settle`` the end-of-loop :meth:`Stopper.settle` (its result: ``"settled"`` or the error);
+    ``events[(rank, check)]`` is what happens to that rank just before that check (1-based):
+    ``"signal"``, ``"time"`` (its clock passes the 1-minute budget) or ``"error"``. Returns
+    each rank's list of check results (a TrainError as its message)."""
+    import concurrent.futures
+
+    from megatron_branchnorm.training import stopping
+
+    world = _ThreadWorld(2)
+    monkeypatch.setattr(stopping.collectives, "all_reduce", world.all_reduce)
+    monkeypatch.setattr(stopping.collectives, "all_gather_object", world.all_gather_object)
+    monkeypatch.setattr(
+        stopping.collectives, "communication_device", lambda g=None: torch.device("cpu")
+    )
+    monkeypatch.setattr(stopping, "stop_signals", world)
+
+    def rank_main(rank: int) -> list:
+        world.local.rank = rank
+        state = {"elapsed": 0.0, "error": None}
+        stopper = stopping.Stopper(
+            2, 1.0, lambda: state["error"], lambda: state["elapsed"], deferred=deferred
+        )
+        results: list = []
+        for check in range(1, checks + 1):
+            event = events.get((rank, check))
+            if event == "signal":
+                world.signals[rank] = 10
+            elif event == "time":
+                state["elapsed"] = 61.0
+            elif event == "error":
+                state["error"] = "disk full"
+            try:
+                results.append(stopper.check())
+            except stopping.TrainError as exc:
+                results.append(str(exc))
+            if results[-1] is not None:
+                break
+        if settle and results[-1] is None:
+            try:
+                stopper.settle()
+                results.append("settled")
+            except stopping.TrainError as exc:
+                results.append(str(exc))
+        return results
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(rank_main, range(2)))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize(
+    ("event", "stop"),
+    [("signal", "signal"), ("time", "time"), ("error", "disk full (rank 1)")],
+)
+def test_every_rank_takes_the_same_stop_at_the_same_check(
+    monkeypatch, deferred: bool, event: str, stop: str
+) -> None:
+    """A signal, the time budget or an error on rank 1 alone, just before check 2: every rank
+    stops at check 2 (gloo's synchronous check) or at check 3 (deferred, CUDA's), alike."""
+    results = _checks_on_every_rank(monkeypatch, deferred, {(1, 2): event})
+    expected = [None, stop] if not deferred else [None, None, stop]
+    assert results == [expected, expected]
+
+
+def test_deferred_check_sends_no_flags_once_it_stops(monkeypatch) -> None:
+    """Rank 0 signalled before check 1 and rank 1 before check 2: both stop at check 2 on
+    check 1's flags (rank 1's signal, not yet agreed, does not delay or repeat the stop)."""
+    results = _checks_on_every_rank(monkeypatch, True, {(0, 1): "signal", (1, 2): "signal"})
+    assert results == [[None, "signal"], [None, "signal"]]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_an_error_of_the_last_update_is_raised_at_the_end_on_every_rank(
+    monkeypatch, deferred: bool
+) -> None:
+    """An error on rank 1 alone just before the last check: the synchronous check raises it
+    there; the deferred one has not read it yet, and the end of the loop (``settle``) raises
+    it on every rank instead of letting the run end with exit 0."""
+    results = _checks_on_every_rank(monkeypatch, deferred, {(1, 3): "error"}, 3, settle=True)
+    last = "disk full (rank 1)"
+    expected = [None, None, None, last] if deferred else [None, None, last]
+    assert results == [expected, expected]
