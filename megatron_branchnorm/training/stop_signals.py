@@ -94,14 +94,17 @@ def install() -> None:
     """Handle the stop signals as the module docstring says from now on, check this rank's
     launcher chain and start the watcher (idempotent; from the main thread)."""
     global _installed, _took_sigint
-    if _installed:
-        return
-    _installed = True
+    # The handlers every time (a no-op when they are ours): a caller that put its own back
+    # since (an in-process test's clean-up) would otherwise leave SIGUSR1's default action,
+    # which kills the process, behind a module that believes itself installed.
     for sig in STOP_SIGNALS:
         signal.signal(sig, _record)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not SIG_IGN (nohup, &)
         signal.signal(signal.SIGINT, _record)
         _took_sigint = True
+    if _installed:
+        return
+    _installed = True
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)

@@ -275,3 +275,21 @@ def test_a_build_that_fails_is_not_taken_for_a_lost_peer(monkeypatch):
     with pytest.raises(RuntimeError, match="shm.cpp:1: error") as caught:
         environment.load_shm_comm_op(60.0)
     assert not environment.peer_lost(caught.value)
+
+
+def test_install_puts_its_handlers_back_after_someone_replaced_them():
+    """A second install (a Trainer built in a process whose tests put their own handlers back)
+    takes the stop signals again: a module that only remembered being installed left SIGUSR1's
+    default action, which killed the whole pytest process at the next in-process signal."""
+    saved = {sig: signal.getsignal(sig) for sig in (*stop_signals.STOP_SIGNALS, signal.SIGINT)}
+    try:
+        stop_signals.install()
+        for sig in stop_signals.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        stop_signals.install()
+        assert all(
+            signal.getsignal(sig) is stop_signals._record for sig in stop_signals.STOP_SIGNALS
+        )
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
