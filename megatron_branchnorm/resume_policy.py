@@ -49,6 +49,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "model.activation_dropout",
     "model.layernorm_impl",
     "model.compile",
+    "model.cuda_graphs",  # how the layers run, not what they compute
     "pipeline.stages",
     "pipeline.fallback_stages",
     "pipeline.data_parallel",
@@ -70,6 +71,9 @@ MAY_CHANGE: tuple[str, ...] = (
     "train.save_interval",
     "train.eval_interval",
     "data.valid_samples_per_direction",
+    # its own check: the sampler state holds the shapes' digest, and a resume into other
+    # shapes is refused in one line naming the key (docs/design.md §18)
+    "data.bucket_shapes",
     "train.patience",
     "train.keep_last",
     "train.keep_best",
