@@ -62,10 +62,8 @@ from megatron_branchnorm.cli import (
     OutputError,
     check_output_file,
     json_has_format,
-    make_temp_dir,  # noqa: F401 - the staging's parts, imported from here by tests
     prepare_output,
     publish_dir,
-    remove_dead_temp_dirs,  # noqa: F401
     temp_dir_beside,
     write_failure_reason,
     write_marker,

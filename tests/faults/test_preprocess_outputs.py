@@ -28,9 +28,9 @@ import psutil
 import pytest
 
 from megatron_branchnorm import run_lock
+from megatron_branchnorm.cli import make_temp_dir, remove_dead_temp_dirs
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.data import preprocess
-from megatron_branchnorm.data.preprocess import remove_dead_temp_dirs
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
 from megatron_branchnorm.formats.files import FileShapeError, read_small_file
@@ -207,7 +207,7 @@ sys.exit(cmd.main(sys.argv[2:]))
 LIVE_HOLDER = """
 import sys
 from pathlib import Path
-from megatron_branchnorm.data.preprocess import make_temp_dir
+from megatron_branchnorm.cli import make_temp_dir
 print(make_temp_dir(Path(sys.argv[1]), "preprocess_data"), flush=True)
 sys.stdin.read()
 """
@@ -296,7 +296,7 @@ def test_only_marked_temporaries_of_dead_runs_of_this_output_are_removed(tmp_pat
         return path
 
     reused = temp("reused", {**me, "pid": os.getppid(), "pid_start": "1"})
-    mine = preprocess.make_temp_dir(out, "preprocess_data")
+    mine = make_temp_dir(out, "preprocess_data")
     elsewhere = temp("elsewhere", {**me, "host": "another-host", "pid": 2**22 + 1})
     other_output = temp("other", {**me, "pid": 2**22 + 1}, output="data2")
     unmarked = tmp_path / ".data.tmp-123"
