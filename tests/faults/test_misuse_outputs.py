@@ -577,24 +577,45 @@ def test_full_disk(tools, capsys, run, raw_corpus, fake_locale, tmp_path, monkey
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+# Run by test_ctrl_c_during_preprocess: the real front door, with SentencePiece training
+# replaced by a stand-in that says it started (a file) and then works until it is stopped, so
+# the interrupt lands inside the run at a known point (an event, not a delay).
+_BLOCKED_SPM = """
+import sys, threading
+from pathlib import Path
+from megatron_branchnorm.data import spm as spm_lib
+from megatron_branchnorm.commands.preprocess import main
+
+def training(*args, marker=Path(sys.argv[1]), **kwargs):
+    marker.touch()
+    threading.Event().wait()
+
+spm_lib.train_spm = training
+sys.argv = ["preprocess_data.py", *sys.argv[2:]]
+raise SystemExit(main())
+"""
+
+
 def test_ctrl_c_during_preprocess(tmp_path):
     """SIGINT mid-run: exit 130, one line, no traceback, no output and no temporary dir."""
-    make_opus(tmp_path / "raw", {"de": (20000, 50, 50), "fr": (20000, 50, 50)})
-    out = tmp_path / "out"
+    make_opus(tmp_path / "raw", {"de": (2000, 50, 50), "fr": (2000, 50, 50)})
+    out, started = tmp_path / "out", tmp_path / "spm-started"
     argv = ["--format", "opus100", "--input", tmp_path / "raw", "--langs", "de,fr"]
     argv += ["--output", out, "--vocab-size", "150", "--workers", "2", "--no-progress"]
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *map(str, argv)],
+        [sys.executable, "-c", _BLOCKED_SPM, str(started), *map(str, argv)],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell job has
     )
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and not leftovers(tmp_path):
+    while time.time() < deadline and proc.poll() is None and not started.exists():
         time.sleep(0.005)
-    assert proc.poll() is None, "preprocessing ended before it could be interrupted"
-    time.sleep(0.05)  # into SentencePiece training (about 1 s more of work)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert started.exists(), "the stand-in SentencePiece training never started"
+    assert leftovers(tmp_path), "SentencePiece training started outside a temporary directory"
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the parent and its workers
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
