@@ -21,11 +21,10 @@ from typing import Any
 
 import yaml
 
-from megatron_branchnorm.cli import MAX_INT, quote
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import FileShapeError, read_small_file
-from megatron_branchnorm.yaml_io import MAX_BYTES as YAML_MAX_BYTES
-from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
+from megatron_branchnorm.formats.files import MAX_INT, FileShapeError, quote, read_small_file
+from megatron_branchnorm.formats.yaml_io import MAX_BYTES as YAML_MAX_BYTES
+from megatron_branchnorm.formats.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -198,7 +197,7 @@ class TrainConfig:
     validations in a row, as fairseq's --patience; 0 disables."""
     keep_last: int = 0
     """Keep the last k complete checkpoints and remove older ones; 0 keeps every checkpoint.
-    The one a resume loads is always kept (megatron_branchnorm/retention.py)."""
+    The one a resume loads is always kept (megatron_branchnorm/training/retention.py)."""
     keep_best: int = 0
     """Also keep the k best checkpoints by best_metric, named in ``save_dir/best.json``."""
     best_metric: str = "valid_loss"

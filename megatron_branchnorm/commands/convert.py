@@ -18,14 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    UsageError,
-    check_parent_dir,
-    int_flag,
-    refuse_overlap,
-    run_main,
-)
+from megatron_branchnorm.cli import ArgumentParser, UsageError, int_flag, run_main
+from megatron_branchnorm.formats.outputs import check_parent_dir, refuse_overlap
 
 PROG = "convert_checkpoint.py"
 
@@ -115,7 +109,7 @@ def _convert(argv: list[str] | None) -> int:
     if args.format == "native":
         prepare_export_dir(args.output, args.overwrite, "--output", inputs)
     else:
-        from megatron_branchnorm.cli import prepare_output
+        from megatron_branchnorm.formats.outputs import prepare_output
         from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
 
         prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)

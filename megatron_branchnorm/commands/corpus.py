@@ -10,12 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    float_flag,
-    int_flag,
-    run_main,
-)
+from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
 
 PROG = "build_locale_corpus.py"
 

@@ -27,22 +27,17 @@ import argparse
 import json
 import sys
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    int_flag,
-    quote,
-    run_main,
-    write_stdout,
-    write_text_output,
-)
+from megatron_branchnorm.cli import ArgumentParser, int_flag, run_main
+from megatron_branchnorm.formats.files import quote
+from megatron_branchnorm.formats.outputs import write_stdout, write_text_output
 
 PROG = "evaluate.py"
 SPLITS = ("dev", "test")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_branchnorm.commands.translate import add_search_args
     from megatron_branchnorm.inference.evaluate import add_scoring_args
-    from megatron_branchnorm.inference.translate import add_search_args
     from megatron_branchnorm.paper import TASKS
 
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])

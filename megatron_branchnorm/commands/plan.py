@@ -17,7 +17,7 @@ micro-batches per replica instead.
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
 ``total parameters: X.XXB``. ``section.key=value`` overrides apply as in train.py. Exit codes:
-0 fits, 1 does not fit, 2 bad input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in megatron_branchnorm/planner.py.
+0 fits, 1 does not fit, 2 bad input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in megatron_branchnorm/parallel/planner.py.
 """
 
 from __future__ import annotations
@@ -27,15 +27,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    float_flag,
-    int_flag,
-    run_main,
-    write_stdout,
-)
+from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
 from megatron_branchnorm.config import load_config
-from megatron_branchnorm.planner import (
+from megatron_branchnorm.formats.outputs import write_stdout
+from megatron_branchnorm.parallel.planner import (
     DEFAULT_VOCAB,
     PlanError,
     auto_stages,

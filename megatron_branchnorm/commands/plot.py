@@ -17,8 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_branchnorm.cli import OutputError, check_output_file, run_main
-from megatron_branchnorm.plotting import PlotError, is_our_plot, plot_format, plot_runs
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.formats.outputs import OutputError, check_output_file
+from megatron_branchnorm.runner.plotting import PlotError, is_our_plot, plot_format, plot_runs
 
 PROG = "plot_training.py"
 

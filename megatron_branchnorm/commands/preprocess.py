@@ -21,12 +21,7 @@ import shlex
 import sys
 import time
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    float_flag,
-    int_flag,
-    run_main,
-)
+from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
 
 PROG = "preprocess_data.py"
 

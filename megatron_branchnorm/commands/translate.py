@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_branchnorm.cli import (
-    ArgumentParser,
+from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
+from megatron_branchnorm.formats.outputs import (
     OutputError,
     check_output_file,
-    run_main,
     stdin_is,
     write_stdout,
     write_text_output,
@@ -29,9 +28,58 @@ from megatron_branchnorm.cli import (
 PROG = "translate.py"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_branchnorm.inference.translate import add_search_args
+def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
+    """--beam, --lenpen, --max-len-a/-b, --batch-tokens (and --nbest), range-checked (the
+    search's defaults and limits come from inference/translate.py, imported here so that
+    ``--help`` stays light)."""
+    from megatron_branchnorm.inference.translate import (
+        MAX_BEAM,
+        MAX_LEN_A,
+        MAX_THREADS,
+        SearchOptions,
+    )
 
+    d = SearchOptions()
+    p.add_argument(
+        "--beam", type=int_flag(1, MAX_BEAM), default=d.beam, help=f"beam size (default {d.beam})"
+    )
+    p.add_argument(
+        "--lenpen", type=float_flag(), default=d.lenpen, help=f"length penalty (default {d.lenpen})"
+    )
+    p.add_argument(
+        "--max-len-a",
+        type=float_flag(0.0, MAX_LEN_A),
+        default=d.max_len_a,
+        help=f"output length limit a * source length + b (default a={d.max_len_a})",
+    )
+    p.add_argument(
+        "--max-len-b",
+        type=int_flag(0),
+        default=d.max_len_b,
+        help=f"see --max-len-a (default b={d.max_len_b})",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int_flag(1),
+        default=d.batch_tokens,
+        help=f"source tokens per batch, padding included (default {d.batch_tokens})",
+    )
+    if nbest:
+        p.add_argument(
+            "--nbest",
+            type=int_flag(1, MAX_BEAM),
+            default=d.nbest,
+            help="hypotheses per input line (default 1)",
+        )
+    p.add_argument(
+        "--threads",
+        type=int_flag(0, MAX_THREADS),
+        default=0,
+        help="torch CPU threads (default 0: torch's)",
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="export directory (model.safetensors, ...)")
     p.add_argument("--src-lang", required=True, help="source language code, e.g. de")

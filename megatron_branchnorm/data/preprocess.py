@@ -30,7 +30,7 @@ pid and the pid's start time); a later run of the same DATA_DIR removes, and say
 line, the temporary directories of runs that no longer run (killed by SIGKILL, a lost node),
 never one of a live run or one without that marker. Worker processes (the SentencePiece trainer
 among them) die with the run (:func:`die_with_parent`).
-DATA_DIR carries the marker :data:`megatron_branchnorm.cli.MARKER` (kind ``data``):
+DATA_DIR carries the marker :data:`megatron_branchnorm.formats.outputs.MARKER` (kind ``data``):
 ``overwrite`` replaces only a directory with that marker (or an older DATA_DIR with our
 manifest) that holds nothing but a DATA_DIR's own entries (formats/dirs.py), never the input
 corpus, a run trained into it, or anything else.
@@ -58,17 +58,6 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from megatron_branchnorm.cli import (
-    OutputError,
-    check_output_file,
-    json_has_format,
-    prepare_output,
-    publish_dir,
-    temp_dir_beside,
-    write_failure_reason,
-    write_marker,
-    write_text_output,
-)
 from megatron_branchnorm.data import spm as spm_lib
 from megatron_branchnorm.data.corpora import (
     SPLITS,
@@ -90,6 +79,17 @@ from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
 from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
 from megatron_branchnorm.formats.files import read_small_file, sha256_file
+from megatron_branchnorm.formats.outputs import (
+    OutputError,
+    check_output_file,
+    json_has_format,
+    prepare_output,
+    publish_dir,
+    temp_dir_beside,
+    write_failure_reason,
+    write_marker,
+    write_text_output,
+)
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FILTERS = ("bad_utf8", "empty", "too_long")
@@ -101,7 +101,7 @@ SPILL_DIR = "spill"
 PHASES = ("read_clean", "spm_sample", "spm_train", "encode_write", "finish")
 """The phases of a run, in order, as ``--stats`` names them."""
 DATA_KIND = dirs.DATA.name
-"""Marker kind of a DATA_DIR (cli.MARKER): ``--overwrite`` replaces only such a directory,
+"""Marker kind of a DATA_DIR (outputs.MARKER): ``--overwrite`` replaces only such a directory,
 holding only what formats/dirs.py lists as a DATA_DIR's entries."""
 DATA_TOOL = "preprocess_data"
 STATS_KEYS = frozenset({"phases", "total_seconds", "peak_rss_mb"})
@@ -167,7 +167,7 @@ def check_stats_path(stats: str, inputs: list[tuple[str, str | Path | None]]) ->
     """Refuse, before any work, a ``--stats`` file that would destroy something: inside or
     over an input or the output (``inputs``), inside a directory of a known kind (a run, a
     DATA_DIR, an export), an existing file that is not a stats file of ours, or a place that
-    cannot be written now (:func:`cli.check_output_file`); a DataError naming ``--stats``."""
+    cannot be written now (:func:`outputs.check_output_file`); a DataError naming ``--stats``."""
     try:
         check_output_file(stats, "--stats", inputs, is_stats_file, "a --stats file of preprocess")
     except OutputError as exc:
@@ -201,7 +201,7 @@ def check_output_dir(
     legacy: Callable[[Path], bool] | None = None,
     flag: str = "--output",
 ) -> bool:
-    """:func:`cli.prepare_output` for a data tool's output directory, as a DataError."""
+    """:func:`outputs.prepare_output` for a data tool's output directory, as a DataError."""
     try:
         return prepare_output(output, kind, overwrite, flag, inputs, legacy)
     except OutputError as exc:
@@ -223,7 +223,7 @@ def staged_output(
     legacy: Callable[[Path], bool] | None = None,
 ) -> Iterator[Path]:
     """A hidden temporary directory beside ``out`` for a data tool to write into
-    (:func:`cli.temp_dir_beside`; temporary directories of dead runs of ``out`` are removed
+    (:func:`outputs.temp_dir_beside`; temporary directories of dead runs of ``out`` are removed
     first, with one line on stderr). When the block ends, it gets the marker of ``kind`` and
     replaces ``out`` (checked again to be ours to replace: nothing else appeared there
     meanwhile); when the block fails, it is removed, an OSError becoming a DataError that

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-from megatron_branchnorm.launch import deepspeed_command
+from megatron_branchnorm.runner.launch import deepspeed_command
 
 OPUS100_PAIRS = 55_000_000
 """Training pairs of OPUS-100 (the projection's target)."""

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.runner.launch import free_port
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -34,8 +34,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.model.residual import set_branch_scale
-    from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import (
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import (
         PipeLoss,
         build_pipeline_module,
         fixed_shapes,

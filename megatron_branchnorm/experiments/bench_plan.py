@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_branchnorm.hardware import cpu_info
+from megatron_branchnorm.runner.hardware import cpu_info
 
 MODES = ("load", "whole", "share")
 

@@ -56,9 +56,9 @@ import time
 from pathlib import Path
 
 from megatron_branchnorm.experiments import bench_anchors, bench_models
-from megatron_branchnorm.hardware import cpu_info, default_dtypes
-from megatron_branchnorm.launch import CHECKOUT, free_port, tool_command
 from megatron_branchnorm.resources import DS_CONFIG_DIR
+from megatron_branchnorm.runner.hardware import cpu_info, default_dtypes
+from megatron_branchnorm.runner.launch import CHECKOUT, free_port, tool_command
 
 SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess", "launches", "data")
 

@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir  # (no torch)
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
 from megatron_branchnorm.formats.records import read_metrics
-from megatron_branchnorm.launch import (
+from megatron_branchnorm.runner.launch import (
     CHECKOUT,
     LaunchError,
     deepspeed_command,
@@ -229,7 +229,7 @@ def last_line(log: Path) -> str:
 
 def ensure_data(out: Path) -> Path:
     """OUT/data, built (with OUT/corpus) when missing: German-English, vocabulary 2000."""
-    from megatron_branchnorm.steps import data_matches
+    from megatron_branchnorm.runner.steps import data_matches
 
     corpus, data = out / "corpus", out / "data"
     if data_matches(data, ["de"], 2000):

@@ -48,11 +48,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir, run_main
+from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
 from megatron_branchnorm.formats.records import read_metrics
-from megatron_branchnorm.launch import CHECKOUT, tool_command
-from megatron_branchnorm.steps import Status, prepare_data, run_logged
+from megatron_branchnorm.runner.launch import CHECKOUT, tool_command
+from megatron_branchnorm.runner.steps import Status, prepare_data, run_logged
 from megatron_branchnorm.tokens import lang_tag
 
 SRC, TGT = "src", "tgt"  # the one fairseq "language pair": tagged source -> target

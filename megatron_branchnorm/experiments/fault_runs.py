@@ -17,7 +17,7 @@ import torch
 from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.records import read_metrics, read_rows
-from megatron_branchnorm.launch import (  # rank_env: the environment srun + common.sh give
+from megatron_branchnorm.runner.launch import (  # rank_env: the environment srun + common.sh give
     CHECKOUT,
     free_port,
     rank_env,

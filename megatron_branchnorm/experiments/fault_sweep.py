@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir
 from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
 from megatron_branchnorm.experiments.fault_runs import (
     kill_hard_when,
@@ -34,6 +33,7 @@ from megatron_branchnorm.experiments.fault_runs import (
     wait_all,
 )
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
 
 
 def reference(out: Path, steps: int, world: int = 2) -> Path:

@@ -272,7 +272,7 @@ def train_overrides(
 def _one_rank() -> Iterator[None]:
     """This process as a world of one rank for one Trainer (a fresh rendezvous port each
     time); the environment is restored after."""
-    from megatron_branchnorm.launch import free_port
+    from megatron_branchnorm.runner.launch import free_port
     from megatron_branchnorm.training import environment
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -306,7 +306,7 @@ def run_train_py(
     import torch
 
     from megatron_branchnorm.config import load_config
-    from megatron_branchnorm.planner import plan_run
+    from megatron_branchnorm.parallel.planner import plan_run
 
     if system == "train.py+graphs":
         extra = [*extra, "model.cuda_graphs=on"]
@@ -508,9 +508,9 @@ def run_bench(
     import torch
     import torch._dynamo
 
-    from megatron_branchnorm.cli import one_line
     from megatron_branchnorm.experiments.benchmark import matmul_peak
-    from megatron_branchnorm.hardware import cpu_info
+    from megatron_branchnorm.formats.files import one_line
+    from megatron_branchnorm.runner.hardware import cpu_info
 
     shape = shape or (GPU_SHAPE if device == "cuda" else CPU_SHAPE)
     if device == "cuda":

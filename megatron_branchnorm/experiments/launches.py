@@ -625,7 +625,7 @@ def measure_config(
 def measure(configs: list[str], compile_layers: bool = False, **options: Any) -> dict:
     """:func:`measure_config` of every config with ``options`` (its keyword arguments), with
     the machine's CPU line; with ``compile_layers``, under ``model.compile=true``."""
-    from megatron_branchnorm.hardware import cpu_info
+    from megatron_branchnorm.runner.hardware import cpu_info
 
     out = {
         "cpu": cpu_info().describe(),

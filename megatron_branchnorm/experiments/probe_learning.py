@@ -33,9 +33,9 @@ from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import BatchSampler, TranslationData
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.experiments.analysis import source_dependence
-from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
+from megatron_branchnorm.training.lr_schedule import inverse_sqrt_factor
 
 
 class ProbeError(UserError, ValueError):

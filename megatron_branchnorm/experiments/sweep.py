@@ -44,19 +44,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm import retention
-from megatron_branchnorm.cli import (
-    ArgumentParser,
-    check_output_file,
-    check_parent_dir,
-    quote,
-    run_main,
-    write_text_output,
-)
+from megatron_branchnorm.cli import ArgumentParser, run_main
 from megatron_branchnorm.config import CONFIG_DIR
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.formats.files import FileShapeError, read_small_file
+from megatron_branchnorm.formats.files import FileShapeError, quote, read_small_file
+from megatron_branchnorm.formats.outputs import (
+    check_output_file,
+    check_parent_dir,
+    write_text_output,
+)
 from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.paper import (
     MAX_PUBLISHED_BYTES,
@@ -67,6 +64,7 @@ from megatron_branchnorm.paper import (
     published_rows,
     read_published,
 )
+from megatron_branchnorm.training import retention
 from megatron_branchnorm.training.metrics import training_rows
 
 SWEEP_FILE = "sweep.json"

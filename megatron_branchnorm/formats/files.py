@@ -24,6 +24,10 @@ MAX_JSON_BYTES = 64 << 20
 QUOTE_LIMIT = 120
 
 
+MAX_INT = 2**31 - 1
+"""Largest integer a config key or a count flag takes."""
+
+
 def one_line(text: object, limit: int = 2000) -> str:
     """Whitespace folded to single spaces, at most ``limit`` characters."""
     line = " ".join(str(text).split())

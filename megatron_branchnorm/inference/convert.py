@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.checkpoint import SPM_IN_CHECKPOINT, TRAIN_CONFIG
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataManifest, read_data_manifest
+from megatron_branchnorm.formats.files import one_line, quote
 from megatron_branchnorm.formats.records import BEST_FILE, read_best, read_best_ids
 from megatron_branchnorm.model import EncoderDecoder, build_model
-from megatron_branchnorm.partition import (
+from megatron_branchnorm.parallel.partition import (
     engine_param_to_flat_key,
     partition_plan,
     pipe_to_flat_key,
@@ -439,8 +439,8 @@ def repartition_checkpoint(
     import os
     import shutil
 
-    from megatron_branchnorm.cli import refuse_overlap, temp_dir_beside
     from megatron_branchnorm.formats.dirs import TEMP_MARKER
+    from megatron_branchnorm.formats.outputs import refuse_overlap, temp_dir_beside
 
     save_dir, out_dir = Path(save_dir), Path(out_dir)
     refuse_overlap(out_dir, [("--checkpoint", save_dir)], "--output")

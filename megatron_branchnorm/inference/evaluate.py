@@ -33,16 +33,16 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from megatron_branchnorm.cli import (
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.data_dir import read_data_manifest
+from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.outputs import (
     OutputError,
     check_output_file,
     check_parent_dir,
-    one_line,
     refuse_overlap,
     write_text_output,
 )
-from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.data_dir import read_data_manifest
 from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
 
 

@@ -32,27 +32,31 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_branchnorm.cli import (
-    OutputError,
-    json_has_format,
-    one_line,
-    prepare_output,
-    publish_dir,
-    quote,
-    temp_dir_beside,
-    write_failure_reason,
-    write_marker,
-)
 from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.checkpoint import sha256_file
-from megatron_branchnorm.formats.files import FileShapeError, read_json_object, read_small_file
+from megatron_branchnorm.formats.files import (
+    FileShapeError,
+    one_line,
+    quote,
+    read_json_object,
+    read_small_file,
+)
+from megatron_branchnorm.formats.outputs import (
+    OutputError,
+    json_has_format,
+    prepare_output,
+    publish_dir,
+    temp_dir_beside,
+    write_failure_reason,
+    write_marker,
+)
+from megatron_branchnorm.formats.yaml_io import MAX_BYTES as YAML_MAX_BYTES
+from megatron_branchnorm.formats.yaml_io import YAMLLimitError, load_bounded
 from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
 from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
-from megatron_branchnorm.yaml_io import MAX_BYTES as YAML_MAX_BYTES
-from megatron_branchnorm.yaml_io import YAMLLimitError, load_bounded
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
@@ -61,7 +65,7 @@ META = dirs.EXPORT_META
 EXPORT_FORMAT = dirs.EXPORT_FORMAT
 EXPORT_VERSION = 1
 EXPORT_KIND = dirs.EXPORT.name
-"""Marker kind of an export directory (cli.MARKER; formats/dirs.py owns its layout)."""
+"""Marker kind of an export directory (outputs.MARKER; formats/dirs.py owns its layout)."""
 EXPORT_TOOL = "convert_checkpoint"
 MAX_EXPORT_POSITIONS = 1 << 16
 """Largest ``model.max_positions`` an export may declare: its position tables are not stored in
@@ -152,7 +156,7 @@ def save_export(
     ``meta`` adds provenance to ``export.json`` (e.g. ``source_checkpoint``, ``languages``,
     ``tag``, ``averaged``); ``step``, ``alpha``, ``scheme`` and ``residual`` are filled in from
     the model. Everything is written to a temporary directory beside ``out_dir`` (with the
-    marker :data:`cli.MARKER`) that is renamed at the end. An existing non-empty ``out_dir`` is
+    marker :data:`outputs.MARKER`) that is renamed at the end. An existing non-empty ``out_dir`` is
     an error unless ``overwrite``, and even then unless it is an export this project wrote; an
     ``out_dir`` that is, contains or lies inside the SentencePiece model is refused.
     """

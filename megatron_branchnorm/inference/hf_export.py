@@ -38,15 +38,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from megatron_branchnorm.cli import (
+from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats import dirs
+from megatron_branchnorm.formats.outputs import (
     OutputError,
     prepare_output,
     publish_dir,
     temp_dir_beside,
     write_marker,
 )
-from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.inference.export import (
     EXPORT_TOOL,
     SPM,
@@ -61,7 +61,7 @@ from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 PARITY_TOLERANCE = 1e-4  # docs/design.md §5: HF export logits vs ours
 HF_EXPORT_KIND = dirs.HF_EXPORT.name
-"""Marker kind of a Hugging Face export directory (cli.MARKER; formats/dirs.py owns its
+"""Marker kind of a Hugging Face export directory (outputs.MARKER; formats/dirs.py owns its
 layout)."""
 
 

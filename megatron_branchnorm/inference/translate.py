@@ -11,7 +11,6 @@ lines translate to empty lines without running the model, so output lines match 
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 
-from megatron_branchnorm.cli import float_flag, int_flag
 from megatron_branchnorm.data.text import clean
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.inference.beam_search import Hypothesis, beam_search
@@ -42,48 +40,6 @@ MAX_BEAM = 1024
 MAX_LEN_A = 1e6
 """Largest --max-len-a (the limit is clamped to the model's positions anyway)."""
 MAX_THREADS = 4096
-
-
-def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
-    """--beam, --lenpen, --max-len-a/-b, --batch-tokens (and --nbest), range-checked."""
-    d = SearchOptions()
-    p.add_argument(
-        "--beam", type=int_flag(1, MAX_BEAM), default=d.beam, help=f"beam size (default {d.beam})"
-    )
-    p.add_argument(
-        "--lenpen", type=float_flag(), default=d.lenpen, help=f"length penalty (default {d.lenpen})"
-    )
-    p.add_argument(
-        "--max-len-a",
-        type=float_flag(0.0, MAX_LEN_A),
-        default=d.max_len_a,
-        help=f"output length limit a * source length + b (default a={d.max_len_a})",
-    )
-    p.add_argument(
-        "--max-len-b",
-        type=int_flag(0),
-        default=d.max_len_b,
-        help=f"see --max-len-a (default b={d.max_len_b})",
-    )
-    p.add_argument(
-        "--batch-tokens",
-        type=int_flag(1),
-        default=d.batch_tokens,
-        help=f"source tokens per batch, padding included (default {d.batch_tokens})",
-    )
-    if nbest:
-        p.add_argument(
-            "--nbest",
-            type=int_flag(1, MAX_BEAM),
-            default=d.nbest,
-            help="hypotheses per input line (default 1)",
-        )
-    p.add_argument(
-        "--threads",
-        type=int_flag(0, MAX_THREADS),
-        default=0,
-        help="torch CPU threads (default 0: torch's)",
-    )
 
 
 @dataclass

@@ -95,7 +95,7 @@ import inspect
 
 import torch
 
-from megatron_branchnorm.pipeline import unsupported_deepspeed
+from megatron_branchnorm.parallel.pipeline import unsupported_deepspeed
 from megatron_branchnorm.training import collectives
 
 BUCKET_ELEMENTS = 1 << 25

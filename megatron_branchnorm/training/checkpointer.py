@@ -15,16 +15,20 @@ from pathlib import Path
 
 import torch
 
-from megatron_branchnorm import resume_policy, retention
-from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
-from megatron_branchnorm.partition import engine_param_to_flat_key, pipe_to_flat_key, spec_names
-from megatron_branchnorm.training import collectives
+from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.outputs import describe_os_error
+from megatron_branchnorm.parallel.partition import (
+    engine_param_to_flat_key,
+    pipe_to_flat_key,
+    spec_names,
+)
+from megatron_branchnorm.training import collectives, resume_policy, retention
 from megatron_branchnorm.training.checkpoint_engine import install_checkpoint_engine
 from megatron_branchnorm.training.data import TrainStream
 from megatron_branchnorm.training.ds_config import precision_of
+from megatron_branchnorm.training.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import agree_or_raise
 

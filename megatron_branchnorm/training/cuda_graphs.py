@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from megatron_branchnorm.config import CUDA_GRAPH_MODES
-from megatron_branchnorm.pipeline import (
+from megatron_branchnorm.parallel.pipeline import (
     DecoderLayerPipe,
     EncoderLayerPipe,
     FinalNormPipe,

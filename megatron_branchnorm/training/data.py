@@ -14,9 +14,9 @@ import torch
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.data.buckets import LengthHistogram, choose_buckets, max_shapes_of
 from megatron_branchnorm.data.dataset import bucket_identity, check_bucket_state
+from megatron_branchnorm.data.synthetic import SyntheticBatches
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
-from megatron_branchnorm.synthetic import SyntheticBatches
 from megatron_branchnorm.tokens import PAD_ID
 
 
@@ -63,7 +63,7 @@ def build_batches(cfg: ExperimentConfig, split: str, shuffle: bool, keep_keys: b
     d = cfg.data
     max_shapes = max_shapes_of(d.bucket_shapes) if split == "train" and shuffle else 0
     if d.dataset == "synthetic":
-        from megatron_branchnorm.synthetic import SyntheticBatches, SyntheticData
+        from megatron_branchnorm.data.synthetic import SyntheticBatches, SyntheticData
 
         size = d.synthetic_size if split == "train" else max(64, d.synthetic_size // 50)
         data = SyntheticData(size, cfg.model.vocab_size, d.max_length, split)

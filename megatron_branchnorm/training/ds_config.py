@@ -8,9 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
-from megatron_branchnorm.formats.files import MAX_JSON_BYTES, FileShapeError, read_small_file
+from megatron_branchnorm.formats.files import MAX_JSON_BYTES, FileShapeError, quote, read_small_file
 from megatron_branchnorm.resources import find_ds_config
 
 YAML_OWNED_DS_KEYS = {

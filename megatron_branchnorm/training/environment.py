@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_branchnorm.cli import one_line, quote
 from megatron_branchnorm.config import ConfigError
-from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.formats.files import one_line, quote
+from megatron_branchnorm.runner.launch import free_port
 from megatron_branchnorm.training import collectives, stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_branchnorm.partition import TIED_PREFIX, engine_param_to_flat_key
+from megatron_branchnorm.parallel.partition import TIED_PREFIX, engine_param_to_flat_key
 from megatron_branchnorm.training import collectives
 
 

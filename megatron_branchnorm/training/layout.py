@@ -25,8 +25,8 @@ from pathlib import Path
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.partition import spec_entries
-from megatron_branchnorm.planner import plan_run, stage_counts
+from megatron_branchnorm.parallel.partition import spec_entries
+from megatron_branchnorm.parallel.planner import plan_run, stage_counts
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import describe_os_error, one_line
+from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.outputs import describe_os_error
 from megatron_branchnorm.formats.records import (
     REDONE_KEY,
     metrics_path,

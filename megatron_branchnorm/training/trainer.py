@@ -22,7 +22,6 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from megatron_branchnorm.cli import describe_os_error, one_line
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.data.sampling import (
     SAMPLING_FILE,
@@ -31,17 +30,17 @@ from megatron_branchnorm.data.sampling import (
     write_sampling_table,
 )
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.lr_schedule import inverse_sqrt_factor
+from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.outputs import describe_os_error
 from megatron_branchnorm.model.residual import describe_layernorm, set_branch_scale
-from megatron_branchnorm.partition import describe_plan, partition_plan, spec_names
-from megatron_branchnorm.pipeline import (
+from megatron_branchnorm.parallel.partition import describe_plan, partition_plan, spec_names
+from megatron_branchnorm.parallel.pipeline import (
     PipeLoss,
     build_pipeline_module,
     fixed_shapes,
     install_engine_fixes,
 )
-from megatron_branchnorm.planner import auto_checkpoint_interval
-from megatron_branchnorm.run_lock import LockError, RunLock
+from megatron_branchnorm.parallel.planner import auto_checkpoint_interval
 from megatron_branchnorm.training import collectives, cuda_graphs, stop_signals
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
@@ -61,7 +60,9 @@ from megatron_branchnorm.training.exit_codes import (
 )
 from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW, install_fp32_grad_norm
 from megatron_branchnorm.training.layout import Device, choose_layout, saved_batch
+from megatron_branchnorm.training.lr_schedule import inverse_sqrt_factor
 from megatron_branchnorm.training.metrics import MetricsLog, Progress, UpdateFigures
+from megatron_branchnorm.training.run_lock import LockError, RunLock
 from megatron_branchnorm.training.state import TrainState
 from megatron_branchnorm.training.stopping import (
     NonfiniteSkips,

@@ -2,7 +2,7 @@
 per-token loss of every translation direction on a fixed sample of its dev split (the first
 ``data.valid_samples_per_direction`` usable sentences), the averages over X->pivot, pivot->X
 and all directions, and early stopping (train.patience, fairseq's ``--patience``:
-:mod:`megatron_branchnorm.patience`) on the all-direction figure.
+:mod:`megatron_branchnorm.training.patience`) on the all-direction figure.
 
 ``valid_loss``, the figure early stopping and keep_best read, is the macro average: the mean
 of the directions' per-token losses, each direction counting once.
@@ -27,11 +27,11 @@ import torch
 from megatron_branchnorm.config import ExperimentConfig
 from megatron_branchnorm.formats.data_dir import DataError
 from megatron_branchnorm.formats.records import valid_losses
-from megatron_branchnorm.patience import Patience
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import collectives
 from megatron_branchnorm.training.data import as_engine_items, build_batches
 from megatron_branchnorm.training.metrics import MetricsLog
+from megatron_branchnorm.training.patience import Patience
 
 
 def reduce_loss_sums(loss_fn) -> torch.Tensor:
@@ -70,7 +70,7 @@ class _SyntheticSource:
         return 0
 
     def collate(self, group: int, indices: np.ndarray) -> dict:
-        from megatron_branchnorm.synthetic import collate
+        from megatron_branchnorm.data.synthetic import collate
 
         return collate(self.data, [int(i) for i in indices])
 

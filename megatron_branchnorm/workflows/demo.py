@@ -28,12 +28,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, claim_output_dir, refuse_overlap, run_main
+from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir, refuse_overlap
 from megatron_branchnorm.formats.records import read_metrics, read_rows
-from megatron_branchnorm.launch import LaunchError, deepspeed_command
-from megatron_branchnorm.plotting import series
-from megatron_branchnorm.steps import (
+from megatron_branchnorm.runner.launch import LaunchError, deepspeed_command
+from megatron_branchnorm.runner.plotting import series
+from megatron_branchnorm.runner.steps import (
     EXPECTED_S,
     DemoError,
     Status,
@@ -238,7 +239,7 @@ def train_leg(
 
 
 DEMO_KIND = "demo"
-"""The marker kind of a demo's --out (cli.MARKER)."""
+"""The marker kind of a demo's --out (outputs.MARKER)."""
 DEMO_PARTS = ("report.md", "corpus", "data", "train", "export", "eval", "logs", "plots")
 """What the demo writes (and replaces) inside --out."""
 
@@ -357,7 +358,7 @@ def run_demo(opts: DemoOptions, status: Status | None = None) -> DemoResult:
     )
     timings["evaluate"] = time.time() - t0
     # 7. plots and report
-    from megatron_branchnorm.plotting import plot_runs
+    from megatron_branchnorm.runner.plotting import plot_runs
 
     t0 = time.time()
     plot = plot_runs([save_dir], out / "plots" / "training.png", ["demo"])

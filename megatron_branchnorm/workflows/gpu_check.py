@@ -105,7 +105,7 @@ def environment(device: str) -> list[Row]:
     import deepspeed
     import torch
 
-    from megatron_branchnorm.hardware import cpu_info
+    from megatron_branchnorm.runner.hardware import cpu_info
 
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_info().describe()
     rows = [
@@ -124,7 +124,7 @@ def environment(device: str) -> list[Row]:
 
 
 def _batch(cfg):
-    from megatron_branchnorm.synthetic import SyntheticData, collate
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
 
     return collate(SyntheticData(64, cfg.model.vocab_size, 20), list(range(8)))
 
@@ -153,8 +153,8 @@ def _pipeline(cfg, batch, device: str, precision: str, ckpt_interval: int, step:
     import deepspeed
 
     from megatron_branchnorm.model.residual import set_branch_scale
-    from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import (
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import (
         PipeLoss,
         build_pipeline_module,
         install_engine_fixes,
@@ -252,7 +252,7 @@ def apex_rows(device: str) -> list[Row]:
 
 def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) -> float:
     """Run train.py on ``world`` ranks (one process each, as srun starts them); seconds."""
-    from megatron_branchnorm.launch import free_port, rank_env
+    from megatron_branchnorm.runner.launch import free_port, rank_env
 
     port, start = free_port(), time.time()
     args = [sys.executable, str(TRAIN), "--config", "tiny_cpu", *overrides,
@@ -297,7 +297,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.experiments.benchmark import matmul_peak
     from megatron_branchnorm.experiments.gpu_bench import steady_state
-    from megatron_branchnorm.planner import plan_run
+    from megatron_branchnorm.parallel.planner import plan_run
 
     size = THROUGHPUT_GPU if device == "cuda" else THROUGHPUT_CPU
     ds = "zero1_bf16.json"

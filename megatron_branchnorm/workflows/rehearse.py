@@ -54,13 +54,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import OutputError, prepare_output, run_main, write_marker
+from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import OutputError, prepare_output, write_marker
 from megatron_branchnorm.formats.records import REDONE_KEY
 from megatron_branchnorm.formats.records import read_metrics as read_run_metrics
-from megatron_branchnorm.launch import CHECKOUT, free_port, rank_env
+from megatron_branchnorm.runner.launch import CHECKOUT, free_port, rank_env
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from megatron_branchnorm.training.metrics import training_rows
 
@@ -461,7 +462,7 @@ def launch(plan: Plan, name: str, workdir: Path, signal_after: int | None = None
 
 
 REHEARSAL_KIND = "rehearsal"
-"""The marker kind of a rehearsal's --workdir (cli.MARKER)."""
+"""The marker kind of a rehearsal's --workdir (outputs.MARKER)."""
 
 
 def run_ok(record: dict[str, Any] | None, expect: int = 0) -> bool:
@@ -731,11 +732,11 @@ def check_export(plan: dict, runs: dict, workdir: Path) -> tuple[dict[str, Any],
     returns the check and its figures."""
     import torch
 
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
     from megatron_branchnorm.formats.checkpoint import CheckpointError, verify_checkpoint
     from megatron_branchnorm.inference.convert import ConvertError, load_pipeline_checkpoint
     from megatron_branchnorm.inference.export import ExportError, load_export, save_export
     from megatron_branchnorm.inference.translate import SearchOptions, Translator
-    from megatron_branchnorm.synthetic import SyntheticData, collate
 
     name = "(4) convert + translate"
     figures: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.records import read_rows
-from megatron_branchnorm.launch import CHECKOUT
+from megatron_branchnorm.runner.launch import CHECKOUT
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
 from megatron_branchnorm.workflows.local_slurm import (
     FINAL_STATES,

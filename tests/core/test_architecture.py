@@ -1,6 +1,6 @@
 """The house (docs/design.md §9): the package's import graph read from its source, every import
-counted (a function's lazy import too). Rooms are modules, floors are the groups below; an
-arrow may only run down or sideways, and no arrows form a circle."""
+counted (a function's lazy import too). Modules live in rooms (the groups below); an arrow may
+only run to a room its room may import, and no arrows form a circle."""
 
 from __future__ import annotations
 
@@ -12,28 +12,66 @@ import pytest
 PACKAGE = "megatron_branchnorm"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
-FLOORS = (
-    "formats",  # the on-disk formats, one owner each, and the one user-error base
-    "library",  # config, partition, model/, data/, pipeline, ...: the package root
+ROOMS = (
+    "formats",  # the on-disk formats, one owner each, and the one user-error base (errors)
+    "base",  # config, tokens, paper, resources: the package root below the front doors
+    "model",
+    "data",
+    "plan",  # parallel.partition and parallel.planner: the layout on paper
+    "pipeline",  # parallel.pipeline: the layout run by DeepSpeed
+    "runner",  # starting ranks and tools, logged steps, the machine, plots of a run
     "training",
     "inference",
+    "front",  # cli and train: what every entry point shares, and the launchers' entry
     "experiments",
     "workflows",
     "commands",
 )
-"""Bottom to top. The package root's modules are ``library`` but ``errors`` (``formats``) and
-``train`` (the launchers' entry, ``training``)."""
-MAY_NOT_IMPORT = {
-    "formats": {"library", "training", "inference", "experiments", "workflows", "commands"},
-    "library": {"training", "inference", "experiments", "workflows", "commands"},
-    "training": {"inference", "experiments", "workflows", "commands"},
-    "inference": {"training", "experiments", "workflows", "commands"},
-    "experiments": {"workflows", "commands"},
-    "workflows": {"commands"},
-    "commands": set(),
+"""Bottom to top. A room may import its own modules and the rooms listed for it below; the
+whiteboard's rules (docs/design.md §9) are each one line here."""
+MAY_IMPORT = {
+    "formats": set(),
+    "base": {"formats"},
+    "model": {"formats", "base"},  # never the data, the pipeline or training
+    "data": {"formats", "base"},  # never the model
+    "plan": {"formats", "base"},  # pure: no model, no torch, no DeepSpeed (below)
+    "pipeline": {"formats", "base", "model", "plan"},
+    "runner": {"formats", "base"},
+    "training": {"formats", "base", "model", "data", "plan", "pipeline", "runner"},
+    "inference": {"formats", "base", "model", "data", "plan"},  # never training or DeepSpeed
 }
-NO_DEEPSPEED = ("formats", "inference")
-"""Floors that never import DeepSpeed (nor the pipeline adapter, which does)."""
+_BELOW_FRONT = set(ROOMS[: ROOMS.index("front")])
+MAY_IMPORT["front"] = _BELOW_FRONT
+MAY_IMPORT["experiments"] = _BELOW_FRONT | {"front"}
+MAY_IMPORT["workflows"] = MAY_IMPORT["experiments"] | {"experiments"}
+MAY_IMPORT["commands"] = MAY_IMPORT["workflows"] | {"workflows"}
+ROOT_ROOMS = {
+    "errors": "formats",
+    "config": "base",
+    "paper": "base",
+    "resources": "base",
+    "tokens": "base",
+    "cli": "front",
+    "train": "front",
+}
+"""Every module at the package root and its room; at most 10 modules live there."""
+PACKAGE_ROOMS = {
+    "formats": "formats",
+    "model": "model",
+    "data": "data",
+    "parallel": "plan",
+    "runner": "runner",
+    "training": "training",
+    "inference": "inference",
+    "experiments": "experiments",
+    "workflows": "workflows",
+    "commands": "commands",
+}
+"""Every subpackage and its room (``parallel.pipeline`` has a room of its own)."""
+NO_DEEPSPEED = ("formats", "base", "model", "data", "plan", "runner", "inference")
+"""Rooms that never import DeepSpeed (nor the pipeline adapter, which does)."""
+NO_TORCH = ("plan", "runner")
+"""Rooms that never import torch: the plan is arithmetic on a config."""
 
 
 def _modules() -> dict[str, Path]:
@@ -47,7 +85,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules ``name`` imports, and ``deepspeed`` when it imports that."""
+    """The package's modules ``name`` imports, and ``deepspeed`` or ``torch`` when it imports
+    them."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -65,8 +104,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         else:
             continue
         for target in targets:
-            if target.split(".")[0] == "deepspeed":
-                found.add("deepspeed")
+            if target.split(".")[0] in ("deepspeed", "torch"):
+                found.add(target.split(".")[0])
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name and target != PACKAGE:
@@ -74,15 +113,15 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def floor(module: str) -> str:
-    parts = module.split(".")
-    if module == f"{PACKAGE}.errors":
-        return "formats"
-    if module == f"{PACKAGE}.train":
-        return "training"
-    if len(parts) > 2 and parts[1] in FLOORS:
-        return parts[1]
-    return "library"
+def room(module: str) -> str:
+    parts = module.split(".")[1:]
+    if not parts:
+        return "base"
+    if len(parts) == 1 and parts[0] not in PACKAGE_ROOMS:
+        return ROOT_ROOMS[parts[0]]
+    if parts[:2] == ["parallel", "pipeline"]:
+        return "pipeline"
+    return PACKAGE_ROOMS[parts[0]]
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +132,32 @@ def graph() -> dict[str, set[str]]:
 
 def test_no_arrow_runs_up(graph):
     wrong = sorted(
-        f"{a} ({floor(a)}) imports {b} ({floor(b)})"
+        f"{a} ({room(a)}) imports {b} ({room(b)})"
         for a, targets in graph.items()
         for b in targets
-        if b != "deepspeed" and floor(b) in MAY_NOT_IMPORT[floor(a)]
+        if b not in ("deepspeed", "torch") and room(b) not in MAY_IMPORT[room(a)] | {room(a)}
+    )
+    assert wrong == []
+
+
+def test_every_module_has_a_room(graph):
+    """A new root module or subpackage must be given its room here (and in docs/design.md §9)
+    before it is used; the root stays at most 10 modules."""
+    root = {p.stem for p in ROOT.glob("*.py")} - {"__init__"}
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert root == set(ROOT_ROOMS)
+    assert packages == set(PACKAGE_ROOMS)
+    assert len(root) + 1 <= 10  # with __init__
+    assert {room(m) for m in graph} <= set(ROOMS)
+
+
+def test_the_plan_is_pure(graph):
+    """The plan and the runner import neither torch nor DeepSpeed, even lazily."""
+    wrong = sorted(
+        f"{a} imports {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if room(a) in NO_TORCH and b in ("torch", "deepspeed")
     )
     assert wrong == []
 
@@ -135,12 +196,13 @@ def test_no_circles(graph):
     assert circles == []
 
 
-def test_inference_and_formats_do_not_import_deepspeed(graph):
+def test_only_training_and_above_import_deepspeed(graph):
     """Not even lazily: a checkpoint's pickled DeepSpeed objects are read with stand-ins."""
     wrong = sorted(
         a
         for a, targets in graph.items()
-        if floor(a) in NO_DEEPSPEED and ("deepspeed" in targets or f"{PACKAGE}.pipeline" in targets)
+        if room(a) in NO_DEEPSPEED
+        and ("deepspeed" in targets or f"{PACKAGE}.parallel.pipeline" in targets)
     )
     assert wrong == []
 
@@ -153,9 +215,3 @@ def test_one_module_per_name():
     assert commands & workflows == set()
     assert commands & root == set()
     assert workflows & root == set()
-
-
-def test_floors_known(graph):
-    """Every package under the root is a floor, or part of the library (model/, data/)."""
-    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
-    assert packages - set(FLOORS) <= {"model", "data"}

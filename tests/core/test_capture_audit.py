@@ -25,7 +25,7 @@ from megatron_branchnorm.experiments.capture_audit import (
 )
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
-from megatron_branchnorm.pipeline import DecoderLayerPipe, EncoderLayerPipe
+from megatron_branchnorm.parallel.pipeline import DecoderLayerPipe, EncoderLayerPipe
 from megatron_branchnorm.tokens import PAD_ID
 
 from .helpers import random_tokens, tiny_config

@@ -18,7 +18,7 @@ import torch
 
 import megatron_branchnorm
 from megatron_branchnorm.config import ConfigError
-from megatron_branchnorm.pipeline import PipeLoss
+from megatron_branchnorm.parallel.pipeline import PipeLoss
 from megatron_branchnorm.training import collectives, environment
 from megatron_branchnorm.training.grad_norm import pipeline_grad_norm
 from megatron_branchnorm.training.stopping import Stopper

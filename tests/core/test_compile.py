@@ -39,7 +39,7 @@ from megatron_branchnorm.model import compile as mbn_compile
 from megatron_branchnorm.model.dropout import keep_mask
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
-from megatron_branchnorm.pipeline import (
+from megatron_branchnorm.parallel.pipeline import (
     CHECKPOINTABLE,
     DecoderLayerPipe,
     EncoderLayerPipe,
@@ -124,7 +124,7 @@ def _step(enc, dec, batch, dtype=torch.float32) -> list[torch.Tensor]:
 
 
 def test_off_by_default_and_a_resume_may_switch_it():
-    from megatron_branchnorm.resume_policy import FIXED, MAY_CHANGE
+    from megatron_branchnorm.training.resume_policy import FIXED, MAY_CHANGE
 
     assert ModelConfig().compile is False
     assert "model.compile" in MAY_CHANGE and "model.compile" not in FIXED
@@ -304,9 +304,13 @@ def _engine_run(compile: bool) -> dict:
     import deepspeed
 
     from megatron_branchnorm.config import load_config
-    from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
-    from megatron_branchnorm.synthetic import SyntheticData, collate
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import (
+        PipeLoss,
+        build_pipeline_module,
+        install_engine_fixes,
+    )
     from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 
     cfg = load_config(

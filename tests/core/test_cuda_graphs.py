@@ -22,7 +22,7 @@ from torch import nn
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.experiments.capture_audit import audited, replay_difference
 from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
-from megatron_branchnorm.pipeline import (
+from megatron_branchnorm.parallel.pipeline import (
     DecoderLayerPipe,
     EncoderLayerPipe,
     FinalNormPipe,
@@ -306,7 +306,7 @@ def emulated_make_graphed(module: nn.Module, sample: tuple, pool):
 
 def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> list:
     """``count`` engine items of one bucket shape (rows x s x t), each other sentences."""
-    from megatron_branchnorm.synthetic import SyntheticData, collate
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
 
     data = SyntheticData(64, cfg.model.vocab_size, 20)
     items = []
@@ -328,8 +328,12 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
     ``graphs``, the layer ranges replayed from :func:`emulated_make_graphed` after warm-up."""
     import deepspeed
 
-    from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import (
+        PipeLoss,
+        build_pipeline_module,
+        install_engine_fixes,
+    )
     from megatron_branchnorm.resources import DS_CONFIG_DIR
     from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
     from megatron_branchnorm.training.ds_config import load_ds_config

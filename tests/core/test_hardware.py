@@ -1,4 +1,4 @@
-"""CPU flags decide which precisions a CPU benchmark runs (megatron_branchnorm/hardware.py)."""
+"""CPU flags decide which precisions a CPU benchmark runs (megatron_branchnorm/runner/hardware.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_branchnorm.hardware import cpu_info, default_dtypes, parse_cpuinfo
+from megatron_branchnorm.runner.hardware import cpu_info, default_dtypes, parse_cpuinfo
 
 ZEN1 = "processor\t: 0\nmodel name\t: AMD EPYC 7551\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE = (

@@ -17,8 +17,7 @@ from megatron_branchnorm.formats.records import (
     read_rows,
     valid_losses,
 )
-from megatron_branchnorm.plotting import series
-from megatron_branchnorm.retention import best_checkpoints, read_scores
+from megatron_branchnorm.runner.plotting import series
 from megatron_branchnorm.training.metrics import (
     MetricsLog,
     Progress,
@@ -26,6 +25,7 @@ from megatron_branchnorm.training.metrics import (
     first_difference,
     training_rows,
 )
+from megatron_branchnorm.training.retention import best_checkpoints, read_scores
 from megatron_branchnorm.training.stopping import NonfiniteSkips
 from megatron_branchnorm.workflows.rehearse import _steps_once, read_training_rows
 

@@ -23,8 +23,8 @@ from megatron_branchnorm.paper import (
     task_of_config,
     task_of_data,
 )
-from megatron_branchnorm.partition import partition_plan
-from megatron_branchnorm.planner import GB, plan_run
+from megatron_branchnorm.parallel.partition import partition_plan
+from megatron_branchnorm.parallel.planner import GB, plan_run
 from tests.slurm.conftest import ROOT
 
 PAPER_TOKENS = 128 * 4096

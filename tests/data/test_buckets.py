@@ -244,8 +244,8 @@ def test_synthetic_stream_in_buckets():
 def test_padding_rows_carry_no_loss_and_no_gradient():
     """The flat model on a batch padded to a larger shape (2 padding rows, padding columns):
     the same loss sums and gradients as on the batch itself, nothing NaN."""
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
     from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
-    from megatron_branchnorm.synthetic import SyntheticData, collate
 
     cfg = load_config("tiny_cpu", ["model.dropout=0.0", "model.encoder_layers=2"]).model
     cfg = type(cfg)(**{**cfg.__dict__, "decoder_layers": 2})

@@ -19,7 +19,7 @@ import sentencepiece as spm
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import TranslationData
 from megatron_branchnorm.experiments import fairseq_side_by_side
-from megatron_branchnorm.steps import Status, run_logged
+from megatron_branchnorm.runner.steps import Status, run_logged
 from megatron_branchnorm.tokens import lang_tag
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.runner.launch import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm import resume_policy, run_lock
 from megatron_branchnorm.commands import convert as convert_cmd
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.commands import watch_bleu
@@ -21,7 +20,8 @@ from megatron_branchnorm.data import preprocess, sampling, synthetic_corpus
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats import data_dir, dirs, records
 from megatron_branchnorm.inference import export
-from megatron_branchnorm.retention import REMOVING_PREFIX
+from megatron_branchnorm.training import resume_policy, run_lock
+from megatron_branchnorm.training.retention import REMOVING_PREFIX
 from megatron_branchnorm.workflows import demo, rehearse
 from tests.data.conftest import make_opus
 from tests.faults.test_misuse_train import error_line, train

@@ -21,7 +21,7 @@ from megatron_branchnorm.config import CONFIG_DIR, ConfigError, load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.inference.convert import load_pipeline_checkpoint
 from megatron_branchnorm.inference.export import ExportError, load_export, save_export
-from megatron_branchnorm.partition import partition_plan
+from megatron_branchnorm.parallel.partition import partition_plan
 
 pytestmark = pytest.mark.faults
 

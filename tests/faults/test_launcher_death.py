@@ -20,7 +20,7 @@ import pytest
 
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.records import read_metrics
-from megatron_branchnorm.run_lock import LOCK_NAME
+from megatron_branchnorm.training.run_lock import LOCK_NAME
 from tests.faults.common import TRAIN
 from tests.pipeline.conftest import ROOT, free_port
 

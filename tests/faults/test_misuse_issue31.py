@@ -17,7 +17,7 @@ import pytest
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.data.sampling import temperature_probs
 from megatron_branchnorm.data.spm import SpmOptions, sample_plan
-from megatron_branchnorm.partition import layout_parts
+from megatron_branchnorm.parallel.partition import layout_parts
 from megatron_branchnorm.training import environment
 from tests.faults.common import ROOT
 

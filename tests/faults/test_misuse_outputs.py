@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.cli import MARKER, read_marker, write_marker
 from megatron_branchnorm.commands import convert as convert_cmd
 from megatron_branchnorm.commands import corpus as corpus_cmd
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import MARKER, read_marker, write_marker
 from megatron_branchnorm.workflows.rehearse import train_spm
 from tests.data.conftest import make_opus
 from tests.data.test_locale_corpus import _fake_locale

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.run_lock import LOCK_NAME
+from megatron_branchnorm.training.run_lock import LOCK_NAME
 from tests.faults.common import TRAIN
 from tests.faults.test_misuse_train import error_line, train
 from tests.pipeline.conftest import ROOT

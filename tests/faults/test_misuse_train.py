@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_branchnorm import resume_policy
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, load_config
 from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.run_lock import LOCK_NAME, STALE_S, LockError, RunLock
+from megatron_branchnorm.training import resume_policy
+from megatron_branchnorm.training.run_lock import LOCK_NAME, STALE_S, LockError, RunLock
 from tests.data.conftest import make_opus, run_preprocess
 from tests.faults.common import INJECTOR, TRAIN, records
 from tests.pipeline.conftest import ROOT, free_port, rank_env

@@ -1,4 +1,4 @@
-"""Early stopping on the validation loss (train.patience, megatron_branchnorm/patience.py) and
+"""Early stopping on the validation loss (train.patience, megatron_branchnorm/training/patience.py) and
 the time left in the console line."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.patience import Patience
 from megatron_branchnorm.training.metrics import format_eta
+from megatron_branchnorm.training.patience import Patience
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")

@@ -27,13 +27,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_branchnorm import run_lock
-from megatron_branchnorm.cli import make_temp_dir, remove_dead_temp_dirs
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.data import preprocess
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
 from megatron_branchnorm.formats.files import FileShapeError, read_small_file
+from megatron_branchnorm.formats.outputs import make_temp_dir, remove_dead_temp_dirs
+from megatron_branchnorm.training import run_lock
 from tests.data.conftest import make_opus
 
 pytestmark = pytest.mark.faults
@@ -207,7 +207,7 @@ sys.exit(cmd.main(sys.argv[2:]))
 LIVE_HOLDER = """
 import sys
 from pathlib import Path
-from megatron_branchnorm.cli import make_temp_dir
+from megatron_branchnorm.formats.outputs import make_temp_dir
 print(make_temp_dir(Path(sys.argv[1]), "preprocess_data"), flush=True)
 sys.stdin.read()
 """

@@ -1,4 +1,4 @@
-"""Checkpoint retention (megatron_branchnorm/retention.py): keep the last K and the best N,
+"""Checkpoint retention (megatron_branchnorm/training/retention.py): keep the last K and the best N,
 never the checkpoint a resume loads, the same after a preemption and resume."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron_branchnorm.formats.records import (
     valid_losses,
     validation_bleus,
 )
-from megatron_branchnorm.retention import (
+from megatron_branchnorm.training.retention import (
     apply_retention,
     best_checkpoints,
     checkpoints_to_remove,

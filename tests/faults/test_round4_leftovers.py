@@ -4,7 +4,7 @@
    manifest, a sweep registry, an export's files, a config, a DeepSpeed JSON) is read only
    when it is a regular file, and bounded: a FIFO never blocks a reader, a huge file is
    refused by its size before it is read;
-2. the temporaries of an export (``cli.temp_dir_beside``), of ``publish_dir`` and of an output
+2. the temporaries of an export (``outputs.temp_dir_beside``), of ``publish_dir`` and of an output
    file never replace what sits at their names; a rerun removes only the marked temporaries
    of dead runs of the same output, and says so;
 3. ``plot_training.py --output`` never replaces a file that is not a plot of ours (unless
@@ -26,16 +26,16 @@ from typing import Any
 
 import pytest
 
-from megatron_branchnorm import cli, run_lock
 from megatron_branchnorm.commands import plot as plot_cmd
 from megatron_branchnorm.config import ConfigError, load_config
 from megatron_branchnorm.experiments import sweep
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.formats import data_dir, dirs, records
+from megatron_branchnorm.formats import data_dir, dirs, outputs, records
 from megatron_branchnorm.inference.export import ExportError, load_export, save_export
 from megatron_branchnorm.model import build_model
-from megatron_branchnorm.planner import precision_from_ds_config
-from megatron_branchnorm.plotting import CREATOR, is_our_plot
+from megatron_branchnorm.parallel.planner import precision_from_ds_config
+from megatron_branchnorm.runner.plotting import CREATOR, is_our_plot
+from megatron_branchnorm.training import run_lock
 from tests.inference.helpers import tiny_config
 
 BOUND_S = 20.0
@@ -227,7 +227,7 @@ def test_temp_dir_beside_keeps_what_it_did_not_write(tmp_path, capsys):
     other.mkdir()
     dirs.write_temp_marker(other, "convert_checkpoint", "exp2", dead_owner())
 
-    tmp = cli.temp_dir_beside(out, "convert_checkpoint")
+    tmp = outputs.temp_dir_beside(out, "convert_checkpoint")
     assert (users / "notes.txt").read_text() == "mine"
     assert live.is_dir() and other.is_dir() and not dead.exists()
     assert tmp not in (users, live) and dirs.read_temp_marker(tmp)["output"] == "exp"
@@ -262,7 +262,7 @@ def test_output_file_temporary_never_follows_a_link(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     (tmp_path / f".out.txt.tmp-{os.getpid()}").symlink_to(victim)
-    cli.write_text_output(tmp_path / "out.txt", "report\n")
+    outputs.write_text_output(tmp_path / "out.txt", "report\n")
     assert (tmp_path / "out.txt").read_text() == "report\n"
     assert victim.read_text() == "precious"
     assert (tmp_path / f".out.txt.tmp-{os.getpid()}").is_symlink()

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_branchnorm.launch import free_port, rank_env
+from megatron_branchnorm.runner.launch import free_port, rank_env
 from megatron_branchnorm.training import stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE, REQUEUE_EXIT_CODE
 from tests.faults.common import TRAIN

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 MODULES = (
-    "megatron_branchnorm.partition",
+    "megatron_branchnorm.parallel.partition",
     "megatron_branchnorm.model",
     "megatron_branchnorm.inference.convert",
     "megatron_branchnorm.inference.export",
@@ -41,7 +41,7 @@ def test_convert_and_translate_do_not_load_deepspeed():
 
 def test_key_maps():
     from megatron_branchnorm.config import load_config
-    from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names
+    from megatron_branchnorm.parallel.partition import engine_param_to_flat_key, spec_names
 
     names = spec_names(load_config("tiny_cpu").model)
     last = max(names)

@@ -25,7 +25,7 @@ from megatron_branchnorm.formats.records import (
     validation_bleus,
 )
 from megatron_branchnorm.inference import valid_bleu
-from megatron_branchnorm.retention import apply_retention
+from megatron_branchnorm.training.retention import apply_retention
 from tests.data.conftest import make_opus, run_preprocess
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.launch import (
+from megatron_branchnorm.runner.launch import (
     free_port,
     rank_env,  # the environment srun + common.sh give
 )

@@ -22,16 +22,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_branchnorm.config import load_config
+from megatron_branchnorm.data.synthetic import SyntheticData, collate
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
 from megatron_branchnorm.model.residual import set_branch_scale
-from megatron_branchnorm.partition import engine_param_to_flat_key, partition_plan, spec_names
-from megatron_branchnorm.pipeline import (
+from megatron_branchnorm.parallel.partition import (
+    engine_param_to_flat_key,
+    partition_plan,
+    spec_names,
+)
+from megatron_branchnorm.parallel.pipeline import (
     PipeLoss,
     build_pipeline_module,
     fixed_shapes,
     install_engine_fixes,
 )
-from megatron_branchnorm.synthetic import SyntheticData, collate
 from megatron_branchnorm.training.environment import setup_process_env
 from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
 from megatron_branchnorm.training.trainer import Trainer

@@ -23,7 +23,7 @@ stop_signals.install()
 import torch  # noqa: E402
 
 from megatron_branchnorm import train  # noqa: E402
-from megatron_branchnorm.partition import engine_param_to_flat_key, spec_names  # noqa: E402
+from megatron_branchnorm.parallel.partition import engine_param_to_flat_key, spec_names  # noqa: E402
 from megatron_branchnorm.training.checkpointer import Checkpointer  # noqa: E402
 
 

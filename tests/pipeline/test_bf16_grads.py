@@ -115,8 +115,12 @@ def _engine(stages: int, fixed: bool):
     import deepspeed
 
     from megatron_branchnorm.model.residual import set_branch_scale
-    from megatron_branchnorm.partition import partition_plan
-    from megatron_branchnorm.pipeline import PipeLoss, build_pipeline_module, install_engine_fixes
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import (
+        PipeLoss,
+        build_pipeline_module,
+        install_engine_fixes,
+    )
     from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
     from megatron_branchnorm.training.ds_config import load_ds_config
     from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
@@ -138,7 +142,7 @@ def _engine(stages: int, fixed: bool):
 
 def _micro_batches(update: int, loss_fn) -> list:
     """Update ``update``'s 2 micro-batches of 4 sentences; the loss normalised over both."""
-    from megatron_branchnorm.synthetic import SyntheticData, collate
+    from megatron_branchnorm.data.synthetic import SyntheticData, collate
 
     data = SyntheticData(64, _model_config(1).model.vocab_size, 20)
     batch = collate(data, list(range(8 * update, 8 * update + 8)))

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
+from megatron_branchnorm.data.synthetic import SyntheticData, collate
 from megatron_branchnorm.formats.checkpoint import CheckpointError
 from megatron_branchnorm.inference.convert import load_pipeline_checkpoint
 from megatron_branchnorm.inference.export import load_export
 from megatron_branchnorm.model import build_model, fold_to_postln
-from megatron_branchnorm.synthetic import SyntheticData, collate
 from tests.pipeline.conftest import ROOT
 
 CONVERT = str(ROOT / "tools" / "convert_checkpoint.py")

@@ -186,7 +186,7 @@ def test_more_stages_than_layers_is_rejected():
 def test_stage_layers_get_the_branch_init_override():
     """pipeline.layer_specs passes model.branch_init on, as the flat model does (test_init)."""
     from megatron_branchnorm.model.residual import residual_constants
-    from megatron_branchnorm.pipeline import layer_specs
+    from megatron_branchnorm.parallel.pipeline import layer_specs
 
     def constants(overrides):
         cfg = load_config("tiny_cpu", overrides).model
@@ -243,7 +243,7 @@ def test_receive_buffers_keep_their_dtype():
     int64 view for a float gradient: docs/design.md §2.1), reusing storage per dtype."""
     import types
 
-    from megatron_branchnorm.pipeline import _typed_recv_buffer
+    from megatron_branchnorm.parallel.pipeline import _typed_recv_buffer
 
     engine = types.SimpleNamespace(device=torch.device("cpu"))
     ids = _typed_recv_buffer(engine, 1, [4, 24], torch.int64)  # src_tokens, forward
@@ -258,7 +258,7 @@ def test_receive_buffers_keep_their_dtype():
 
 
 def test_engine_fixes_refuse_another_deepspeed():
-    from megatron_branchnorm.pipeline import install_engine_fixes
+    from megatron_branchnorm.parallel.pipeline import install_engine_fixes
 
     class NotOurEngine:
         _INSTRUCTION_MAP: dict = {}

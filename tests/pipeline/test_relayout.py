@@ -26,7 +26,11 @@ import torch
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.partition import engine_param_to_flat_key, pipe_to_flat_key, spec_names
+from megatron_branchnorm.parallel.partition import (
+    engine_param_to_flat_key,
+    pipe_to_flat_key,
+    spec_names,
+)
 from tests.faults.common import wait_all
 from tests.pipeline.conftest import ROOT, launch_ranks
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_branchnorm.launch import free_port
+from megatron_branchnorm.runner.launch import free_port
 from megatron_branchnorm.training import trainer as trainer_mod
 
 

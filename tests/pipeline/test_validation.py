@@ -22,7 +22,7 @@ from megatron_branchnorm.data import TranslationData
 from megatron_branchnorm.data.sampling import SAMPLING_FILE, temperature_probs
 from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
-from megatron_branchnorm.pipeline import PipeLoss
+from megatron_branchnorm.parallel.pipeline import PipeLoss
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training.data import resolve_vocab
 from megatron_branchnorm.training.validation import ValidSet, summarize

@@ -1,4 +1,4 @@
-"""tools/plan_memory.py and megatron_branchnorm.planner: parameter counts against real layers,
+"""tools/plan_memory.py and megatron_branchnorm.parallel.planner: parameter counts against real layers,
 the 1000L total against the paper, the bubble, the fit verdict and the CLI contract."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from megatron_branchnorm.config import ConfigError, ModelConfig, load_config
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
-from megatron_branchnorm.planner import (
+from megatron_branchnorm.parallel.planner import (
     GB,
     auto_stages,
     decoder_layer_params,
@@ -186,7 +186,7 @@ def test_auto_recompute_is_chosen_per_stage_by_the_plan() -> None:
     """activation_checkpoint_interval=auto: a stage recomputes exactly when its estimate
     without recompute exceeds the device (the early stages hold more micro-batches in
     flight), and the trainer's choice for each stage is the plan's."""
-    from megatron_branchnorm.planner import auto_checkpoint_interval
+    from megatron_branchnorm.parallel.planner import auto_checkpoint_interval
 
     cfg = load_config("opus100_1000L", ["pipeline.activation_checkpoint_interval=auto"])
     plan = plan_run(cfg, 32, 40 * GB)

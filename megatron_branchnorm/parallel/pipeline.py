@@ -42,7 +42,7 @@ from megatron_branchnorm.model.embedding import Embed, TokenEmbedding, output_lo
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 from megatron_branchnorm.model.residual import stack_constants, stack_final_norm
-from megatron_branchnorm.partition import TIED_KEY, spec_entries
+from megatron_branchnorm.parallel.partition import TIED_KEY, spec_entries
 from megatron_branchnorm.tokens import PAD_ID
 
 

@@ -3,7 +3,7 @@
     plan = plan_run(load_config("opus100_1000L"), gpus=32, gpu_memory_gb=40)
     print(format_plan(plan))
 
-Per pipeline stage (boundaries from :func:`~megatron_branchnorm.partition.partition_plan`, the
+Per pipeline stage (boundaries from :func:`~megatron_branchnorm.parallel.partition.partition_plan`, the
 same call the trainer makes), it estimates in bytes:
 
 * **weights and gradients** -- parameters counted analytically per layer (checked against the
@@ -31,11 +31,15 @@ import json
 import math
 from dataclasses import dataclass
 
-from megatron_branchnorm.cli import MAX_INT
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import MAX_JSON_BYTES, FileShapeError, read_small_file
-from megatron_branchnorm.partition import partition_plan, spec_entries
+from megatron_branchnorm.formats.files import (
+    MAX_INT,
+    MAX_JSON_BYTES,
+    FileShapeError,
+    read_small_file,
+)
+from megatron_branchnorm.parallel.partition import partition_plan, spec_entries
 from megatron_branchnorm.resources import find_ds_config
 
 GB = 1e9

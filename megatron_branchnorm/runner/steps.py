@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
-from megatron_branchnorm.launch import logged_group
+from megatron_branchnorm.runner.launch import logged_group
 
 # Typical durations on a 2-core CPU (seconds), used for the ETA before a step reports progress.
 EXPECTED_S = {"corpus": 10.0, "preprocess": 60.0, "launch": 25.0, "convert": 15.0}

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_branchnorm.cli import quote
 from megatron_branchnorm.config import ConfigError, ModelConfig
+from megatron_branchnorm.formats.files import quote
 
 KINDS = ("embed", "enc", "enc_final", "dec_embed", "dec", "dec_final", "output")
 

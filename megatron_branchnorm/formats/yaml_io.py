@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from megatron_branchnorm.cli import quote
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.files import quote
 
 MAX_BYTES = 1 << 20
 """Largest YAML text we parse (1 MiB; our configs are ~2 KB)."""

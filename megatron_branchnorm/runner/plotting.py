@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.cli import open_temp_file_beside
 from megatron_branchnorm.formats.files import open_regular
+from megatron_branchnorm.formats.outputs import open_temp_file_beside
 from megatron_branchnorm.formats.records import MetricsFileError, read_metrics
 
 # (metric key, panel title, log-scale y axis when the values span more than 20x)
