@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_branchnorm.data.corpora import LANG_RE, pair_name
-from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
+from megatron_branchnorm.data.staging import check_output_dir, staged_output
 from megatron_branchnorm.data.text import clean, is_letterish
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import DataError

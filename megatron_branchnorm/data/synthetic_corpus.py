@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_branchnorm.data.corpora import pair_name
 from megatron_branchnorm.data.locale_corpus import CORPUS_KIND
-from megatron_branchnorm.data.preprocess import check_output_dir, staged_output
+from megatron_branchnorm.data.staging import check_output_dir, staged_output
 from megatron_branchnorm.formats.data_dir import DataError
 
 CORPUS_TOOL = "make_opus_like_corpus"

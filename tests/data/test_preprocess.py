@@ -194,7 +194,7 @@ def test_interrupted_run_leaves_no_output(tmp_path: Path, monkeypatch) -> None:
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(preprocess_mod, "_encode_all", boom)
+    monkeypatch.setattr(preprocess_mod, "encode_all", boom)
     with pytest.raises(KeyboardInterrupt):
         run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"])
     assert [p.name for p in tmp_path.iterdir()] == ["raw"]

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from megatron_branchnorm.data import DataError
+from megatron_branchnorm.data import DataError, encode_pass
 from megatron_branchnorm.data import preprocess as preprocess_mod
 from megatron_branchnorm.data.corpora import hold_out_labels, read_corpus
 from megatron_branchnorm.data.preprocess import PreprocessOptions, preprocess
@@ -225,7 +225,7 @@ def test_failure_while_encoding_leaves_nothing(tmp_path: Path, monkeypatch) -> N
     make_opus(tmp_path / "raw", {"de": (300, 10, 10)})
     monkeypatch.setattr(preprocess_mod, "CHUNK_LINES", 50)
     calls = []
-    encode = preprocess_mod._encode_span
+    encode = encode_pass._encode_span
 
     def fail_third(task):
         calls.append(task)
@@ -233,7 +233,7 @@ def test_failure_while_encoding_leaves_nothing(tmp_path: Path, monkeypatch) -> N
             raise DataError("injected")
         return encode(task)
 
-    monkeypatch.setattr(preprocess_mod, "_encode_span", fail_third)
+    monkeypatch.setattr(encode_pass, "_encode_span", fail_third)
     with pytest.raises(DataError, match="injected"):
         run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]

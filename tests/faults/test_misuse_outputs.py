@@ -31,7 +31,7 @@ from megatron_branchnorm.commands import corpus as corpus_cmd
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.outputs import MARKER, read_marker, write_marker
-from megatron_branchnorm.workflows.rehearse import train_spm
+from megatron_branchnorm.workflows.rehearse_checks import train_spm
 from tests.data.conftest import make_opus
 from tests.data.test_locale_corpus import _fake_locale
 
@@ -564,9 +564,9 @@ def test_full_disk(tools, capsys, run, raw_corpus, fake_locale, tmp_path, monkey
 
         monkeypatch.setattr(export, "save_file", _enospc)
     elif tool == "preprocess_data":
-        from megatron_branchnorm.data import preprocess
+        from megatron_branchnorm.data import clean_pass
 
-        monkeypatch.setattr(preprocess, "_write_lines", _enospc)
+        monkeypatch.setattr(clean_pass, "_write_lines", _enospc)
     else:
         from megatron_branchnorm.data import locale_corpus
 

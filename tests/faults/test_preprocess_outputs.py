@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from megatron_branchnorm.commands import preprocess as preprocess_cmd
-from megatron_branchnorm.data import preprocess
+from megatron_branchnorm.data import staging
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import DataError, read_data_manifest
 from megatron_branchnorm.formats.files import FileShapeError, read_small_file
@@ -170,12 +170,12 @@ def test_stats_replaces_its_own_file_and_writes_devices_in_place(capsys, tmp_pat
     for i in range(2):  # the second run replaces the first run's stats file
         code, err = call(capsys, argv(raw, tmp_path / f"data{i}", "--stats", stats))
         assert code == 0, err
-        assert set(json.loads(stats.read_text())) == preprocess.STATS_KEYS
+        assert set(json.loads(stats.read_text())) == staging.STATS_KEYS
     link = tmp_path / "link.json"
     link.symlink_to(stats)
     code, err = call(capsys, argv(raw, tmp_path / "data2", "--stats", link))
     assert code == 0, err
-    assert link.is_symlink() and preprocess.is_stats_file(stats)
+    assert link.is_symlink() and staging.is_stats_file(stats)
     code, err = call(capsys, argv(raw, tmp_path / "data3", "--stats", os.devnull))
     assert code == 0, err
     assert Path(os.devnull).is_char_device()
