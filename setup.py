@@ -1,4 +1,14 @@
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The console scripts come from the one registry of front doors, FRONT_DOORS in
+# megatron_branchnorm/commands/__init__.py, read by path: it needs only the standard library,
+# so building needs none of the package's dependencies (tests/core/test_front_doors.py).
+_REGISTRY = runpy.run_path(
+    str(Path(__file__).resolve().parent / "megatron_branchnorm" / "commands" / "__init__.py")
+)
 
 setup(
     name="megatron_branchnorm",
@@ -14,21 +24,7 @@ setup(
         "megatron_branchnorm": ["configs/*.yaml", "ds_configs/*.json", "ds_configs/README.md"]
     },
     entry_points={
-        "console_scripts": [
-            "mbn-train=megatron_branchnorm.train:console_main",
-            "mbn-preprocess=megatron_branchnorm.commands.preprocess:main",
-            "mbn-convert=megatron_branchnorm.commands.convert:main",
-            "mbn-translate=megatron_branchnorm.commands.translate:main",
-            "mbn-evaluate=megatron_branchnorm.commands.evaluate:main",
-            "mbn-plan=megatron_branchnorm.commands.plan:main",
-            "mbn-rehearse=megatron_branchnorm.workflows.rehearse:main",
-            "mbn-demo=megatron_branchnorm.workflows.demo:main",
-            "mbn-plot=megatron_branchnorm.commands.plot:main",
-            "mbn-corpus=megatron_branchnorm.commands.corpus:main",
-            "mbn-gpu-check=megatron_branchnorm.workflows.gpu_check:main",
-            "mbn-gpu-bench=megatron_branchnorm.experiments.gpu_bench:main",
-            "mbn-watch-bleu=megatron_branchnorm.commands.watch_bleu:main",
-        ]
+        "console_scripts": _REGISTRY["console_scripts"](),
     },
     python_requires=">=3.10",
     install_requires=[

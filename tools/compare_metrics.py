@@ -3,35 +3,13 @@ leaving out the timing keys (tokens_per_sec, memory_mb, elapsed_s, eta_s).
 
     python tools/compare_metrics.py RUN_A RUN_B     # exit 0 same, 1 different, 2 unreadable
 
-Used to show that a refactor changed nothing: the same fixed-seed runs before and after
-(docs/design.md §1).
+Front door: `python tools/compare_metrics.py --help` gives the usage; the code is
+megatron_branchnorm/experiments/compare_metrics.py.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from megatron_branchnorm.formats.records import MetricsFileError
-from megatron_branchnorm.training.metrics import first_difference
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a", help="a save_dir holding metrics.jsonl")
-    parser.add_argument("run_b", help="another save_dir")
-    args = parser.parse_args(argv)
-    try:
-        diff = first_difference(args.run_a, args.run_b)
-    except (MetricsFileError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if diff is not None:
-        print(f"{args.run_a} vs {args.run_b}: {diff}")
-        return 1
-    print(f"{args.run_a} and {args.run_b}: the same rows (timings left out)")
-    return 0
-
+from megatron_branchnorm.experiments.compare_metrics import main
 
 if __name__ == "__main__":
     sys.exit(main())

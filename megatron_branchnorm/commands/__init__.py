@@ -1,48 +1,96 @@
-"""The user commands: each command's ``main(argv=None) -> int`` is one command line, run
-through ``cli.run_main`` once.
+"""The user commands, and the one registry of every front door of the package
+(:data:`FRONT_DOORS`).
 
-Each runs as ``python -m <module>``, through its front door ``tools/<script>.py`` in a checkout,
-or as a console script of an installed copy (setup.py). Most live here; the trainer's entry is
-``megatron_branchnorm/train.py`` (the launchers run it by path and as a module), and the
-workflows' commands live in their workflow's module (``megatron_branchnorm.workflows``):
+A *command* (this package) does one thing: parse, build, run, its ``main(argv=None) -> int``
+one command line through ``cli.run_main`` once. A *workflow* (``megatron_branchnorm.workflows``)
+runs a whole job, chaining commands and the trainer. An *experiment*
+(``megatron_branchnorm.experiments``) is part of the research harness. Each runs as ``python -m
+<module>``, through its front door ``tools/<script>.py`` in a checkout, or as a console script
+of an installed copy; the trainer's entry is ``megatron_branchnorm/train.py`` (the launchers
+run it by path and as a module).
 
-| command | module | front door | console script |
-| --- | --- | --- | --- |
-| ``train`` | ``megatron_branchnorm.train`` | ``megatron_branchnorm/train.py`` | ``mbn-train`` |
-| ``preprocess`` | ``commands.preprocess`` | ``tools/preprocess_data.py`` | ``mbn-preprocess`` |
-| ``convert`` | ``commands.convert`` | ``tools/convert_checkpoint.py`` | ``mbn-convert`` |
-| ``translate`` | ``commands.translate`` | ``tools/translate.py`` | ``mbn-translate`` |
-| ``evaluate`` | ``commands.evaluate`` | ``tools/evaluate.py`` | ``mbn-evaluate`` |
-| ``plan`` | ``commands.plan`` | ``tools/plan_memory.py`` | ``mbn-plan`` |
-| ``rehearse`` | ``workflows.rehearse`` | ``tools/rehearse.py`` | ``mbn-rehearse`` |
-| ``demo`` | ``workflows.demo`` | ``tools/run_demo.py`` | ``mbn-demo`` |
-| ``plot`` | ``commands.plot`` | ``tools/plot_training.py`` | ``mbn-plot`` |
-| ``corpus`` | ``commands.corpus`` | ``tools/build_locale_corpus.py`` | ``mbn-corpus`` |
-| ``opus_like`` | ``commands.opus_like`` | ``tools/make_opus_like_corpus.py`` | |
-| ``local_slurm`` | ``workflows.local_slurm`` | ``tools/local_slurm.py`` | |
-| ``rehearse_slurm`` | ``workflows.rehearse_slurm`` | ``tools/rehearse_slurm.py`` | |
-| ``gpu_check`` | ``workflows.gpu_check`` | ``tools/gpu_check.py`` | ``mbn-gpu-check`` |
-| ``watch_bleu`` | ``commands.watch_bleu`` | ``tools/watch_bleu.py`` | ``mbn-watch-bleu`` |
+Every other list of them derives from :data:`FRONT_DOORS` or is checked against it by
+tests/core/test_front_doors.py: setup.py's console scripts (:func:`console_scripts`), the thin
+``tools/*.py`` doors, ``runner.launch.WORKFLOWS`` and ``tool_command`` (the runner room may not
+import this one, docs/design.md §9, so it keeps its own names), and the rooms of design §9.
 
-``local_slurm`` and ``rehearse_slurm`` use the checkout's ``slurm/`` launchers, so they have no
-console script.
+This module holds data only and imports nothing but the standard library: setup.py reads it by
+path before any dependency is installed, and every command imports it first (its package).
 """
 
-COMMANDS = {
-    "train": "megatron_branchnorm.train",
-    "preprocess": "megatron_branchnorm.commands.preprocess",
-    "convert": "megatron_branchnorm.commands.convert",
-    "translate": "megatron_branchnorm.commands.translate",
-    "evaluate": "megatron_branchnorm.commands.evaluate",
-    "plan": "megatron_branchnorm.commands.plan",
-    "rehearse": "megatron_branchnorm.workflows.rehearse",
-    "demo": "megatron_branchnorm.workflows.demo",
-    "plot": "megatron_branchnorm.commands.plot",
-    "corpus": "megatron_branchnorm.commands.corpus",
-    "opus_like": "megatron_branchnorm.commands.opus_like",
-    "local_slurm": "megatron_branchnorm.workflows.local_slurm",
-    "rehearse_slurm": "megatron_branchnorm.workflows.rehearse_slurm",
-    "gpu_check": "megatron_branchnorm.workflows.gpu_check",
-    "watch_bleu": "megatron_branchnorm.commands.watch_bleu",
-}
-"""Each command's name and the module whose ``main`` it runs (``python -m MODULE``)."""
+from typing import NamedTuple
+
+KINDS = ("command", "workflow", "experiment")
+"""What a front door serves, each kind living in its own room (docs/design.md §9)."""
+
+
+class FrontDoor(NamedTuple):
+    """One front door: ``name`` (the user command's name, or the module's for an experiment),
+    its ``kind`` (one of :data:`KINDS`), the ``module`` whose ``main`` it runs, its script
+    ``tools/<tool>.py`` (None: run as ``python -m module`` only), and its console script
+    ``console`` in an installed copy (None: none), which calls ``module:entry``."""
+
+    name: str
+    kind: str
+    module: str
+    tool: str | None = None
+    console: str | None = None
+    entry: str = "main"
+
+
+_C = "megatron_branchnorm.commands."
+_W = "megatron_branchnorm.workflows."
+_E = "megatron_branchnorm.experiments."
+
+FRONT_DOORS: tuple[FrontDoor, ...] = (
+    # train: ``exit_now`` skips the interpreter's teardown after training (train.py).
+    FrontDoor("train", "command", "megatron_branchnorm.train", None, "mbn-train", "console_main"),
+    FrontDoor("preprocess", "command", _C + "preprocess", "preprocess_data", "mbn-preprocess"),
+    FrontDoor("convert", "command", _C + "convert", "convert_checkpoint", "mbn-convert"),
+    FrontDoor("translate", "command", _C + "translate", "translate", "mbn-translate"),
+    FrontDoor("evaluate", "command", _C + "evaluate", "evaluate", "mbn-evaluate"),
+    FrontDoor("plan", "command", _C + "plan", "plan_memory", "mbn-plan"),
+    FrontDoor("plot", "command", _C + "plot", "plot_training", "mbn-plot"),
+    FrontDoor("corpus", "command", _C + "corpus", "build_locale_corpus", "mbn-corpus"),
+    FrontDoor("opus_like", "command", _C + "opus_like", "make_opus_like_corpus"),
+    FrontDoor("watch_bleu", "command", _C + "watch_bleu", "watch_bleu", "mbn-watch-bleu"),
+    FrontDoor("demo", "workflow", _W + "demo", "run_demo", "mbn-demo"),
+    FrontDoor("rehearse", "workflow", _W + "rehearse", "rehearse", "mbn-rehearse"),
+    FrontDoor("gpu_check", "workflow", _W + "gpu_check", "gpu_check", "mbn-gpu-check"),
+    # The SLURM workflows use the checkout's slurm/ launchers: no console script.
+    FrontDoor("local_slurm", "workflow", _W + "local_slurm", "local_slurm"),
+    FrontDoor("rehearse_slurm", "workflow", _W + "rehearse_slurm", "rehearse_slurm"),
+    FrontDoor("rehearse_node_loss", "workflow", _W + "rehearse_node_loss", "rehearse_node_loss"),
+    FrontDoor("analyze_model", "experiment", _E + "analyze_model", "analyze_model"),
+    FrontDoor("bench_anchors", "experiment", _E + "bench_anchors", "_bench_anchors"),
+    FrontDoor("bench_micro", "experiment", _E + "bench_micro", "_bench_micro"),
+    FrontDoor("bench_models", "experiment", _E + "bench_models", "_bench_models"),
+    FrontDoor(
+        "bench_pipeline_shapes", "experiment", _E + "bench_pipeline_shapes", "bench_pipeline_shapes"
+    ),
+    FrontDoor("bench_plan", "experiment", _E + "bench_plan"),
+    FrontDoor("benchmark", "experiment", _E + "benchmark", "benchmark"),
+    FrontDoor("compare_metrics", "experiment", _E + "compare_metrics", "compare_metrics"),
+    FrontDoor("depth_study", "experiment", _E + "depth_study", "depth_study"),
+    FrontDoor(
+        "fairseq_side_by_side", "experiment", _E + "fairseq_side_by_side", "fairseq_side_by_side"
+    ),
+    # The trainer with faults patched in (tests/faults, fault_sweep): a module, no script.
+    FrontDoor("fault_inject", "experiment", _E + "fault_inject"),
+    FrontDoor("fault_sweep", "experiment", _E + "fault_sweep", "fault_sweep"),
+    FrontDoor("gpu_bench", "experiment", _E + "gpu_bench", "gpu_bench", "mbn-gpu-bench"),
+    FrontDoor("launches", "experiment", _E + "launches"),
+    FrontDoor("probe_learning", "experiment", _E + "probe_learning", "probe_learning"),
+    FrontDoor("source_dependence", "experiment", _E + "source_dependence", "source_dependence"),
+    FrontDoor("sweep", "experiment", _E + "sweep", "sweep"),
+)
+"""Every front door, once."""
+
+COMMANDS = {d.name: d.module for d in FRONT_DOORS if d.kind in ("command", "workflow")}
+"""Each user command's name (a command's or a workflow's) and the module whose ``main`` it
+runs (``python -m MODULE``; ``runner.launch.tool_command(name)``)."""
+
+
+def console_scripts() -> list[str]:
+    """setup.py's ``console_scripts``: ``NAME=MODULE:ENTRY`` for each door that has one."""
+    return [f"{d.console}={d.module}:{d.entry}" for d in FRONT_DOORS if d.console]

@@ -21,4 +21,6 @@ megatron_branchnorm.experiments.NAME`` runs it too.
   demo's source-use figures).
 - ``source_dependence``: how much an exported model reads its source.
 - ``sweep``: a depth-by-scheme grid submitted to SLURM, collected into the paper's table layout.
+- ``compare_metrics``: whether two runs' metrics.jsonl hold the same rows, timings left out
+  (``tools/compare_metrics.py``, ``tools/same_runs.sh``).
 """

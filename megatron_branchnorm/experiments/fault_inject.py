@@ -14,8 +14,8 @@ at POINT of the save at step N (default the first save); POINT is one of :data:`
 ``save_interrupt@POINT[:rankR][:stepN]``: the same place raises KeyboardInterrupt (Ctrl-C);
 ``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run);
 ``enospc@PHASE[:rankR]``: rank R (default 0) gets ENOSPC ("no space left on device") in PHASE:
-``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (rank 0's
-``metrics.jsonl``).
+``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (a row
+of rank 0's ``metrics.jsonl``).
 
 With :data:`FP16_ON_CPU_ENV` set to ``1``, DeepSpeed's CPU accelerator also reports fp16 as
 supported (docs/design.md §7: what that emulation proves and what only a GPU can).
@@ -37,8 +37,8 @@ import functools  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from megatron_branchnorm.config import ConfigError  # noqa: E402
 
@@ -116,7 +116,11 @@ class Injector:
       ``save`` (engine_file, enospc@engine), ``torch.save`` outside DeepSpeed's save (the
       RNG file: after_rng) and the manifest writer (after_config before it, after_manifest
       after it, enospc@manifest instead of it);
-    - ``enospc@metrics``: the ``open`` of ``metrics.jsonl`` in the metrics writer.
+    - ``enospc@metrics``: the row writer ``write_row`` of the metrics writer, inside its guard
+      (a full disk fails the write, as a real one does, after the file opened).
+
+    Every patch replaces an attribute the code has (:meth:`_patch` refuses a missing one): a
+    renamed method fails the fault suite instead of turning its faults into no-ops.
     """
 
     def __init__(self, faults: dict) -> None:
@@ -161,21 +165,40 @@ class Injector:
     # ---- patches -------------------------------------------------------------------------
 
     def _patch(self, owner, name: str, make: Callable) -> None:
-        """Replace ``owner.name`` by ``make(original)``; :meth:`uninstall` puts it back."""
-        missing = object()
-        original = owner.__dict__.get(name, missing) if isinstance(owner, type) else missing
-        if original is missing:
-            original = getattr(owner, name, missing)
-        setattr(owner, name, make(None if original is missing else original))
-        if original is missing:
+        """Replace ``owner.name`` by ``make(original)``; :meth:`uninstall` puts it back.
+
+        ``owner.name`` must exist: creating it would leave the code calling what it always
+        called, so a renamed ``Trainer._update`` would make every fault test pass without a
+        fault. A missing attribute is an AttributeError naming the owner and the name. A
+        method a class inherits is patched on the class and deleted again by uninstall."""
+        if not hasattr(owner, name):
+            raise AttributeError(
+                f"fault injection: {_owner_name(owner)} has no attribute {name!r} to patch "
+                "(renamed or moved? the fault would never fire)"
+            )
+        if isinstance(owner, type) and name in owner.__dict__:
+            original, inherited = owner.__dict__[name], False  # a descriptor kept as it is
+        else:
+            original, inherited = getattr(owner, name), isinstance(owner, type)
+        setattr(owner, name, make(original))
+        if inherited:
             self._undo.append(lambda: delattr(owner, name))
         else:
             self._undo.append(lambda: setattr(owner, name, original))
 
     def install(self) -> Injector:
-        """Patch what the spec needs (nothing for an empty spec)."""
+        """Patch what the spec needs (nothing for an empty spec); a patch that fails takes
+        the ones made before it off again, then raises."""
         if not self.faults:
             return self
+        try:
+            self._install()
+        except BaseException:
+            self.uninstall()
+            raise
+        return self
+
+    def _install(self) -> None:
         import torch
 
         from megatron_branchnorm.training import checkpointer, grad_norm, metrics, trainer
@@ -188,8 +211,7 @@ class Injector:
             self._patch(torch, "save", self._wrap_torch_save)
             self._patch(checkpointer.ckpt, "write_manifest", self._wrap_write_manifest)
         if self.faults.get("enospc", {}).get("phase") == "metrics":
-            self._patch(metrics, "open", self._wrap_open)
-        return self
+            self._patch(metrics, "write_row", self._wrap_write_row)
 
     def uninstall(self) -> None:
         while self._undo:
@@ -318,20 +340,27 @@ class Injector:
 
         return wrapped
 
-    def _wrap_open(self, _builtin_open) -> Callable:
-        import builtins
-
-        from megatron_branchnorm.formats.records import METRICS_FILE
-
+    def _wrap_write_row(self, write_row: Callable) -> Callable:
+        """The metrics writer's row write (only ``metrics.jsonl``'s rows go through it there)
+        raises the full disk's OSError on the fault's rank, inside the writer's own guard."""
         injector = self
 
-        def metrics_open(file, mode="r", *args, **kwargs):
-            if Path(file).name == METRICS_FILE and any(c in mode for c in "aw+x"):
-                rank = int(os.environ.get("RANK", "0"))
-                injector._full_disk("metrics", rank, file, "fault injection")
-            return builtins.open(file, mode, *args, **kwargs)
+        @functools.wraps(write_row)
+        def wrapped(fh, row):
+            rank = int(os.environ.get("RANK", "0"))
+            injector._full_disk("metrics", rank, fh.name, "fault injection")
+            return write_row(fh, row)
 
-        return metrics_open
+        return wrapped
+
+
+def _owner_name(owner) -> str:
+    """``owner`` in an error message: a module's or a class's dotted name, else its type's."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    return f"a {type(owner).__qualname__} instance"
 
 
 def from_env() -> Injector:

@@ -53,9 +53,19 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return env
 
 
-WORKFLOWS = ("demo", "rehearse", "gpu_check", "local_slurm", "rehearse_slurm")
+WORKFLOWS = (
+    "demo",
+    "rehearse",
+    "gpu_check",
+    "local_slurm",
+    "rehearse_slurm",
+    "rehearse_node_loss",
+)
 """The user commands whose module is ``megatron_branchnorm.workflows.<name>``; every other one
-(but ``train``) is ``megatron_branchnorm.commands.<name>`` (``commands.COMMANDS`` maps each)."""
+(but ``train``) is ``megatron_branchnorm.commands.<name>``. The registry of front doors
+(``commands.FRONT_DOORS``) sits in a room above this one (docs/design.md §9), so these names
+are kept here and tests/core/test_front_doors.py checks them, and :func:`tool_command` for
+every user command, against it."""
 
 
 def tool_command(name: str) -> list[str]:

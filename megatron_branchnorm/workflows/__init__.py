@@ -16,8 +16,10 @@ subprocesses of those commands and of the trainer, checks what came out and repo
 - ``local_slurm``: a real SLURM cluster of K nodes on this host (``tools/local_slurm.py``);
 - ``rehearse_slurm``: a shipped sbatch launcher on that cluster, signalled, requeued and resumed
   (``tools/rehearse_slurm.py``).
+- ``rehearse_node_loss``: a node of a launcher's job lost, the job resumed on one node fewer
+  (``tools/rehearse_node_loss.py``).
 
 Workflows sit above the research harness (``experiments``) and below ``commands`` in the import
 graph (docs/design.md §9); a part a workflow shares with the harness lives lower down
-(``steps.py``, ``launch.py``).
+(``runner/steps.py``, ``runner/launch.py``).
 """

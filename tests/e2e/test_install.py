@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_branchnorm.commands import FRONT_DOORS
 from megatron_branchnorm.runner.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,9 @@ def test_installed_copy_is_used_and_holds_the_shipped_files(venv, tmp_path):
         assert (package / name).is_file(), name
     for name in ("train", "preprocess", "convert", "translate", "evaluate", "plan", "rehearse"):
         assert (venv / "bin" / f"mbn-{name}").is_file(), name
+    for door in FRONT_DOORS:  # and every console script the registry of front doors names
+        if door.console:
+            assert (venv / "bin" / door.console).is_file(), door.console
 
 
 def test_console_scripts_train_and_plan_outside_the_checkout(venv, tmp_path):
