@@ -28,12 +28,32 @@ from megatron_branchnorm.formats.yaml_io import YAMLLimitError, load_bounded
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
-RESIDUAL_SCHEMES = ("branchnorm", "deepnorm", "postln", "preln")
 BRANCHNORM_SCHEDULES = ("linear", "exp", "sigmoid")
 BRANCH_INITS = ("auto", "deepnet", "xavier")
 LAYERNORM_IMPLS = ("auto", "apex", "torch")
 ACTIVATIONS = ("relu", "gelu")
 CUDA_GRAPH_MODES = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class SchemeEntry:
+    """A residual scheme's entry in :data:`RESIDUAL_SCHEMES`: the one trait that rooms which may
+    not import the model need (docs/design.md §9, §11)."""
+
+    final_norm: bool
+    """Each stack ends in a LayerNorm (Pre-LN): parallel/planner.py counts its parameters."""
+
+
+RESIDUAL_SCHEMES: dict[str, SchemeEntry] = {
+    "branchnorm": SchemeEntry(final_norm=False),
+    "deepnorm": SchemeEntry(final_norm=False),
+    "postln": SchemeEntry(final_norm=False),
+    "preln": SchemeEntry(final_norm=True),
+}
+"""The names ``model.residual`` accepts (docs/design.md §11). What each scheme computes and
+every other trait live in model/residual.py's registry ``SCHEMES``, which checks at import
+that it covers exactly these names: config may not import the model, and neither may the
+torch-free plan, which reads ``final_norm`` here. A new scheme is its entry there and here."""
 
 
 MAX_OVERRIDE_CHARS = 1 << 16

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.config import RESIDUAL_SCHEMES
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
 from megatron_branchnorm.formats.records import read_metrics
@@ -56,6 +57,14 @@ from megatron_branchnorm.training.exit_codes import NONFINITE_EXIT_CODE
 
 PROG = "depth_study.py"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
+"""The paper's schemes, in its order: the default ``--schemes``."""
+
+
+def known_schemes() -> tuple[str, ...]:
+    """Every scheme ``--schemes`` takes: the paper's, then any other of config's registry."""
+    return SCHEMES + tuple(sorted(set(RESIDUAL_SCHEMES) - set(SCHEMES)))
+
+
 FULL_DEPTHS = (6, 24, 50, 100, 200, 500)
 
 RESULT = "result.json"
@@ -369,7 +378,9 @@ def plot(results: list[dict[str, Any]], output: Path, first: int) -> Path:
     fig, axes = plt.subplots(
         2, len(depths), figsize=(4.2 * len(depths), 6.5), squeeze=False, constrained_layout=True
     )
-    colours = dict(zip(SCHEMES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    colours = dict(
+        zip(known_schemes(), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)
+    )
     labels = setting_labels(results)
     styles = {lab: ("-", "--", ":", "-.")[i % 4] for i, lab in enumerate(dict.fromkeys(labels))}
     for col, depth in enumerate(depths):
@@ -462,9 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         schemes = parse_list(args.schemes, "--schemes")
-        unknown = [x for x in schemes if x not in SCHEMES]
+        known = known_schemes()
+        unknown = [x for x in schemes if x not in known]
         if unknown:
-            raise StudyError(f"--schemes: unknown {unknown[0]!r} (known: {', '.join(SCHEMES)})")
+            raise StudyError(f"--schemes: unknown {unknown[0]!r} (known: {', '.join(known)})")
         depths = parse_list(args.depths, "--depths", int)
         if any(d < 1 for d in depths):
             raise StudyError(f"--depths: every depth must be >= 1, got {args.depths}")
@@ -516,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 results.append(r)
-        results.sort(key=lambda r: (r["layers"], SCHEMES.index(r["scheme"])))
+        results.sort(key=lambda r: (r["layers"], known.index(r["scheme"])))
         text = table(results, args.plot_steps)
         print(text)
         args.out.mkdir(parents=True, exist_ok=True)

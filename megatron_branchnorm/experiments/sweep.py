@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import ArgumentParser, run_main
-from megatron_branchnorm.config import CONFIG_DIR
+from megatron_branchnorm.config import CONFIG_DIR, RESIDUAL_SCHEMES
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.files import FileShapeError, quote, read_small_file
@@ -70,6 +70,14 @@ from megatron_branchnorm.training.metrics import training_rows
 SWEEP_FILE = "sweep.json"
 RECIPE_LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "recipe.sh"
 SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
+"""The paper's schemes, in its rows' order: the default ``--schemes``."""
+
+
+def known_schemes() -> tuple[str, ...]:
+    """Every scheme ``--schemes`` takes: the paper's, then any other of config's registry."""
+    return SCHEMES + tuple(sorted(set(RESIDUAL_SCHEMES) - set(SCHEMES)))
+
+
 MAX_DEPTH = 1000
 """Deepest N of an N-N cell: the paper's deepest models have 1,000 layers a side; a larger
 ``--depths`` is a typo, refused before anything is submitted."""
@@ -406,9 +414,10 @@ def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "submit":
         schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-        unknown = [s for s in schemes if s not in SCHEMES]
+        known = known_schemes()
+        unknown = [s for s in schemes if s not in known]
         if unknown or not schemes:
-            raise SweepError(f"--schemes: unknown {', '.join(unknown)} ({', '.join(SCHEMES)})")
+            raise SweepError(f"--schemes: unknown {', '.join(unknown)} ({', '.join(known)})")
         depths = _int_list(args.depths, "--depths")
         if args.launcher is None and args.task is None:
             raise SweepError("--launcher: required without --task")

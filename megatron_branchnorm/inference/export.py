@@ -13,8 +13,9 @@
 Loading never unpickles anything: weights come from safetensors, the rest is YAML and JSON.
 config.yaml is checked against the safetensors header (tensor names, shapes, dtypes) before
 the model is built, so an export whose config disagrees with its weights allocates nothing.
-A Post-LN-family model (postln, deepnorm, branchnorm at its current step) is folded into a
-vanilla Post-LN model before saving; a Pre-LN model is saved as Pre-LN.
+A Post-LN-family model (postln, deepnorm, branchnorm at its current step: a scheme that is
+``foldable_to_postln``, model/residual.py) is folded into a vanilla Post-LN model before
+saving; a Pre-LN model is saved as Pre-LN.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from megatron_branchnorm.formats.outputs import (
 )
 from megatron_branchnorm.formats.yaml_io import MAX_BYTES as YAML_MAX_BYTES
 from megatron_branchnorm.formats.yaml_io import YAMLLimitError, load_bounded
-from megatron_branchnorm.model import EncoderDecoder, build_model, fold_to_postln
-from megatron_branchnorm.model.residual import Scheme, branch_scale_at, residual_constants
+from megatron_branchnorm.model import EncoderDecoder, build_model
+from megatron_branchnorm.model.encoder_decoder import as_postln
+from megatron_branchnorm.model.residual import branch_scale_at, residual_constants, scheme_of
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
@@ -103,13 +105,11 @@ def export_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
 
 def _residual_alpha(model: EncoderDecoder) -> float | dict[str, float]:
     """The factor that was folded: BranchNorm's alpha_t, DeepNorm's (encoder, decoder) alphas."""
-    scheme = Scheme(model.cfg.residual)
-    if scheme is Scheme.BRANCHNORM:
+    scheme = scheme_of(model.cfg)
+    if scheme.step_scaled:
         return branch_scale_at(model.cfg, model.step)
-    if scheme is Scheme.DEEPNORM:
-        consts = residual_constants(
-            scheme.value, model.cfg.encoder_layers, model.cfg.decoder_layers
-        )
+    if scheme.deepnet_alpha:
+        consts = residual_constants(scheme, model.cfg.encoder_layers, model.cfg.decoder_layers)
         return {"encoder": consts["encoder"][0], "decoder": consts["decoder"][0]}
     return 1.0
 
@@ -165,9 +165,9 @@ def save_export(
     prepare_export_dir(out_dir, overwrite, output_flag, inputs)
     if spm_model_path is not None and not Path(spm_model_path).is_file():
         raise ExportError(f"{spm_model_path}: SentencePiece model not found")
-    scheme = Scheme(model.cfg.residual)
+    scheme = scheme_of(model.cfg)
     alpha = _residual_alpha(model)
-    exported = model if scheme in (Scheme.PRELN, Scheme.POSTLN) else fold_to_postln(model)
+    exported = as_postln(model) if scheme.foldable_to_postln else model
 
     try:
         tmp = temp_dir_beside(out_dir, EXPORT_TOOL)
@@ -189,7 +189,7 @@ def save_export(
             {
                 "step": int(model.step),
                 "alpha": alpha,
-                "scheme": scheme.value,
+                "scheme": scheme.name,
                 "residual": exported.cfg.residual,
                 "sha256": {name: sha256_file(tmp / name) for name in files},
             }
@@ -382,7 +382,7 @@ def load_export(
         raise ExportError(f"{weights}: not a readable safetensors file ({msg})") from None
     model = build_model(cfg, seed=0)
     model.load_state_dict(state, strict=True)
-    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
+    if scheme_of(cfg).step_scaled:
         model.set_step(int(meta.get("step", 1)))
     model.to(device).eval()
     return model, _load_spm(export_dir, meta), meta

@@ -55,8 +55,9 @@ from megatron_branchnorm.inference.export import (
     write_failure,
 )
 from megatron_branchnorm.inference.translate import TAG_PATTERN
-from megatron_branchnorm.model import EncoderDecoder, fold_to_postln
-from megatron_branchnorm.model.residual import Scheme
+from megatron_branchnorm.model import EncoderDecoder
+from megatron_branchnorm.model.encoder_decoder import as_postln
+from megatron_branchnorm.model.residual import scheme_of
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 PARITY_TOLERANCE = 1e-4  # docs/design.md §5: HF export logits vs ours
@@ -152,19 +153,18 @@ def marian_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
 
 
 def _postln(model: EncoderDecoder) -> EncoderDecoder:
-    scheme = Scheme(model.cfg.residual)
-    if scheme is Scheme.PRELN:
+    scheme = scheme_of(model.cfg)
+    if not scheme.marian_exportable:
         raise HFExportError(
-            "--format hf: a Pre-LN model has no transformers equivalent (Marian is Post-LN only; "
-            "M2M100's pre-norm layers use a different sinusoidal position table); export it "
-            "with --format native"
+            f"--format hf: a {scheme.label} model has no transformers equivalent "
+            f"({scheme.hf_refusal}); export it with --format native"
         )
     if model.cfg.layernorm_eps != 1e-5:
         raise HFExportError(
             f"--format hf: model.layernorm_eps={model.cfg.layernorm_eps}, but Marian's LayerNorms "
             "use 1e-5"
         )
-    return model if scheme is Scheme.POSTLN else fold_to_postln(model)
+    return as_postln(model)
 
 
 def _write_tokenizer(spm_path: Path, out_dir: Path, max_length: int) -> None:

@@ -26,6 +26,7 @@ from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.model.residual import (
     Residual,
     Scheme,
+    scheme_of,
     set_branch_scale,
     stack_constants,
     stack_final_norm,
@@ -169,12 +170,13 @@ def fold_to_postln(model: EncoderDecoder) -> EncoderDecoder:
 
     Each block's residual weight folds into its sublayer's output projection (weight and
     bias): BranchNorm at the model's current alpha_t exactly; DeepNorm up to LayerNorm's
-    epsilon (LN(a x + F x) = LN(x + F x / a) only approximately). Pre-LN cannot be folded.
+    epsilon (LN(a x + F x) = LN(x + F x / a) only approximately). Pre-LN cannot be folded:
+    a scheme folds when it is ``foldable_to_postln`` (model/residual.py).
     """
-    scheme = Scheme(model.cfg.residual)
-    if scheme is Scheme.PRELN:
-        raise ValueError("fold_to_postln: a Pre-LN model has no Post-LN equivalent")
-    cfg = dataclasses.replace(model.cfg, residual=Scheme.POSTLN.value)
+    scheme = scheme_of(model.cfg)
+    if not scheme.foldable_to_postln:
+        raise ValueError(f"fold_to_postln: a {scheme.label} model has no Post-LN equivalent")
+    cfg = dataclasses.replace(model.cfg, residual=Scheme.POSTLN.name)
     folded = copy.deepcopy(model)
     folded.cfg = cfg
     for layer in list(folded.encoder_layers) + list(folded.decoder_layers):
@@ -188,3 +190,9 @@ def fold_to_postln(model: EncoderDecoder) -> EncoderDecoder:
             block.deepnorm_alpha = 1.0
             block.branch_scale = 1.0
     return folded
+
+
+def as_postln(model: EncoderDecoder) -> EncoderDecoder:
+    """``model`` itself when it already is vanilla Post-LN, else :func:`fold_to_postln` of it
+    (no copy of a model that has nothing to fold)."""
+    return model if scheme_of(model.cfg) is Scheme.POSTLN else fold_to_postln(model)

@@ -7,6 +7,12 @@ Every sublayer F (self-attention, cross-attention, feed-forward) sits in a resid
     deepnorm:    x = LN(alpha * x + F(x))         DeepNet (Wang et al., 2022)
     branchnorm:  x = LN(x + alpha_t * F(x))       BranchNorm (Liu et al., ACL Findings 2024)
 
+Each scheme is one :class:`Scheme` in the registry :data:`SCHEMES`: its block equation and
+its traits (a final LN after each stack, foldable to Post-LN, exportable as Marian, DeepNet's
+alpha or init, a step-scaled branch). Every other module asks the scheme
+(``scheme_of(cfg).final_norm``) and never compares names, so a new scheme is an entry here
+plus its name in ``config.RESIDUAL_SCHEMES`` (docs/design.md §11).
+
 F includes its output dropout. DeepNorm's alpha is a constant per stack (deepnorm_constants;
 ``Residual.deepnorm_alpha``); BranchNorm's alpha_t comes from the training step
 (branchnorm_alpha) and is set on the blocks by set_branch_scale before every update: a 0-dim
@@ -25,26 +31,180 @@ the paper.
 
 from __future__ import annotations
 
-import enum
 import importlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_branchnorm.config import ModelConfig
+from megatron_branchnorm.config import RESIDUAL_SCHEMES, ModelConfig
 from megatron_branchnorm.model.dropout import Dropout
 
+# --------------------------------------------------------------------------------------------
+# The registry of schemes: every site asks a scheme's traits, none compares names
+# --------------------------------------------------------------------------------------------
 
-class Scheme(str, enum.Enum):
-    """Residual schemes, selected by ``model.residual``."""
+Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
-    POSTLN = "postln"
-    PRELN = "preln"
-    DEEPNORM = "deepnorm"
-    BRANCHNORM = "branchnorm"
+
+@dataclass(frozen=True, eq=False)
+class Scheme:
+    """A residual scheme (``model.residual``, docs/design.md §11): its block equation and the
+    traits the rest of the code base asks about (``scheme_of(cfg).final_norm``), so that a new
+    scheme is one entry of :data:`SCHEMES` plus its name in ``config.RESIDUAL_SCHEMES``.
+
+    One instance per scheme: blocks hold the registry's instance, and copying or unpickling a
+    block keeps it (as the enum this replaces did), so identity is the scheme's equality.
+    """
+
+    name: str
+    """Its ``model.residual`` value."""
+    label: str
+    """How messages name it ("Pre-LN")."""
+    block: Callable[[Residual, torch.Tensor, Sublayer], torch.Tensor]
+    """The block's forward ``block(residual, x, F)``: the residual's LN, dropout, DeepNorm
+    alpha and BranchNorm alpha_t are read from ``residual``."""
+    postln_scale: Callable[[Residual], float] | None = None
+    """The factor c with which a block equals Post-LN once F's output is scaled by c (what
+    fold_to_postln folds); None when the scheme has no Post-LN equivalent."""
+    deepnet_alpha: bool = False
+    """The residual x is up-weighted by DeepNet's alpha of its stack (deepnorm_constants)."""
+    deepnet_init: bool = False
+    """``model.branch_init=auto`` initialises the branches with DeepNet's beta (else gain 1)."""
+    step_scaled: bool = False
+    """The branch is scaled by alpha_t of the training step (branchnorm_alpha): set before
+    every update, recorded by an export."""
+    hf_refusal: str = "Marian is Post-LN only"
+    """Why --format hf refuses a scheme that does not fold to Post-LN (the message's reason)."""
+
+    POSTLN: ClassVar[Scheme]
+    """Vanilla Post-LN: what fold_to_postln turns every foldable scheme into."""
+
+    @property
+    def final_norm(self) -> bool:
+        """Each stack ends in a LayerNorm (Pre-LN). Declared in ``config.RESIDUAL_SCHEMES``,
+        where the torch-free plan reads it too (docs/design.md §9)."""
+        return RESIDUAL_SCHEMES[self.name].final_norm
+
+    @property
+    def foldable_to_postln(self) -> bool:
+        """A model in this scheme computes a vanilla Post-LN model's function once its residual
+        weights are folded into the sublayers' output projections (fold_to_postln)."""
+        return self.postln_scale is not None
+
+    @property
+    def marian_exportable(self) -> bool:
+        """--format hf can write it: Marian (transformers) is Post-LN, so a scheme that folds to
+        Post-LN is one."""
+        return self.foldable_to_postln
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __copy__(self) -> Scheme:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Scheme:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return scheme_named, (self.name,)
+
+
+def _postln_block(block: Residual, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
+    return block.norm(x + block.dropout(f(x)))
+
+
+def _preln_block(block: Residual, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
+    return x + block.dropout(f(block.norm(x)))
+
+
+# torch.add(a, b, alpha=s) = a + s * b in one kernel (no separate scale and its backward); at
+# s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
+def _deepnorm_block(block: Residual, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
+    return block.norm(torch.add(block.dropout(f(x)), x, alpha=block.deepnorm_alpha))
+
+
+def _branchnorm_block(block: Residual, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
+    if block.scale_is_one:  # past warm-up: Post-LN exactly, no scale to apply
+        return block.norm(x + block.dropout(f(x)))
+    if block.scale_tensor is not None:  # (): alpha_t on the device, filled once per update
+        return block.norm(torch.addcmul(x, block.dropout(f(x)), block.scale_tensor))
+    return block.norm(torch.add(x, block.dropout(f(x)), alpha=block.branch_scale))
+
+
+# LN is invariant to a positive scale of its input (up to epsilon), so
+# LN(a x + F(x)) = LN(x + F(x) / a) and LN(x + s F(x)) is Post-LN with F scaled by s.
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("postln", "Post-LN", _postln_block, postln_scale=lambda block: 1.0),
+        Scheme(
+            "preln",
+            "Pre-LN",
+            _preln_block,
+            hf_refusal="Marian is Post-LN only; M2M100's pre-norm layers use a different "
+            "sinusoidal position table",
+        ),
+        Scheme(
+            "deepnorm",
+            "DeepNorm",
+            _deepnorm_block,
+            postln_scale=lambda block: 1.0 / block.deepnorm_alpha,
+            deepnet_alpha=True,
+            deepnet_init=True,
+        ),
+        Scheme(
+            "branchnorm",
+            "BranchNorm",
+            _branchnorm_block,
+            postln_scale=lambda block: block.branch_scale,
+            deepnet_init=True,
+            step_scaled=True,
+        ),
+    )
+}
+"""Every residual scheme by name: the registry (docs/design.md §11)."""
+Scheme.POSTLN = SCHEMES["postln"]
+
+
+def check_registry() -> None:
+    """:data:`SCHEMES` names exactly ``config.RESIDUAL_SCHEMES`` (config validates
+    ``model.residual`` against those names, as it may not import the model), and no scheme
+    with a final LayerNorm claims a Post-LN equivalent (Post-LN has none). Run at import."""
+    if set(SCHEMES) != set(RESIDUAL_SCHEMES):
+        raise RuntimeError(
+            f"model/residual.py SCHEMES ({', '.join(sorted(SCHEMES))}) and config.py "
+            f"RESIDUAL_SCHEMES ({', '.join(sorted(RESIDUAL_SCHEMES))}) name different schemes"
+        )
+    for name, scheme in SCHEMES.items():
+        if scheme.name != name:
+            raise RuntimeError(f"SCHEMES[{name!r}] is the scheme {scheme.name!r}")
+        if scheme.final_norm and scheme.foldable_to_postln:
+            raise RuntimeError(f"scheme {name!r} has a final LayerNorm, so no Post-LN equivalent")
+
+
+check_registry()
+
+
+def scheme_named(name: str | Scheme) -> Scheme:
+    """The registered scheme called ``name`` (a Scheme is returned as is); ValueError for an
+    unknown name."""
+    if isinstance(name, Scheme):
+        return name
+    try:
+        return SCHEMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown residual scheme {name!r} ({', '.join(SCHEMES)})") from None
+
+
+def scheme_of(cfg: ModelConfig) -> Scheme:
+    """The scheme of a model config (``cfg.residual``)."""
+    return scheme_named(cfg.residual)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,19 +260,19 @@ def branchnorm_alpha(step: int, total_steps: int, schedule: str = "linear") -> f
 
 
 def residual_constants(
-    scheme: str, encoder_layers: int, decoder_layers: int, branch_init: str = "auto"
+    scheme: str | Scheme, encoder_layers: int, decoder_layers: int, branch_init: str = "auto"
 ) -> dict[str, tuple[float, float]]:
     """Per stack ("encoder", "decoder"): (residual alpha, init gain beta) for ``scheme``.
 
     ``branch_init`` (``model.branch_init``) overrides the scheme's init gain: "deepnet" gives
     DeepNet's beta and "xavier" gain 1 whatever the scheme; "auto" keeps the scheme's own.
     """
-    scheme = Scheme(scheme)
+    traits = scheme_named(scheme)
     a_enc, b_enc, a_dec, b_dec = deepnorm_constants(encoder_layers, decoder_layers)
-    if scheme is not Scheme.DEEPNORM:  # only DeepNorm up-weights the residual
+    if not traits.deepnet_alpha:  # only DeepNorm up-weights the residual
         a_enc = a_dec = 1.0
     if branch_init == "auto":
-        branch_init = "deepnet" if scheme in (Scheme.DEEPNORM, Scheme.BRANCHNORM) else "xavier"
+        branch_init = "deepnet" if traits.deepnet_init else "xavier"
     if branch_init == "xavier":
         b_enc = b_dec = 1.0
     elif branch_init != "deepnet":
@@ -131,7 +291,7 @@ def stack_constants(cfg: ModelConfig) -> tuple[tuple[float, float], tuple[float,
 
 def branch_scale_at(cfg: ModelConfig, step: int) -> float:
     """BranchNorm's alpha_t for update ``step`` under ``cfg``; 1.0 for the other schemes."""
-    if Scheme(cfg.residual) is Scheme.BRANCHNORM:
+    if scheme_of(cfg).step_scaled:
         return branchnorm_alpha(step, cfg.branchnorm_steps, cfg.branchnorm_schedule)
     return 1.0
 
@@ -147,7 +307,7 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
     alpha = branch_scale_at(cfg, step)
     blocks = [b for b in module.modules() if isinstance(b, Residual)]
     shared = None
-    if any(b.scheme is Scheme.BRANCHNORM for b in blocks):
+    if any(b.scheme.step_scaled for b in blocks):
         device = blocks[0].norm.weight.device
         shared = module.__dict__.get("_branch_scale_tensor")
         if shared is None or shared.device != device:
@@ -156,7 +316,7 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
         shared.fill_(alpha)
     for block in blocks:
         block.branch_scale = alpha
-        if block.scheme is Scheme.BRANCHNORM:
+        if block.scheme.step_scaled:
             block.scale_tensor = shared
     return alpha
 
@@ -291,7 +451,7 @@ class LayerNorm(nn.Module):
 
 
 class Residual(nn.Module):
-    """One residual block around a sublayer F, in the configured scheme.
+    """One residual block around a sublayer F, in the configured scheme (its ``Scheme.block``).
 
     ``forward(x, f)`` takes F as a callable so the caller can pass masks, memory or a cache.
     Parameters (the LN's) are named identically in every scheme, so state dicts of
@@ -300,7 +460,7 @@ class Residual(nn.Module):
 
     def __init__(
         self,
-        scheme: str,
+        scheme: str | Scheme,
         dim: int,
         dropout: float,
         deepnorm_alpha: float = 1.0,
@@ -308,7 +468,7 @@ class Residual(nn.Module):
         layernorm_impl: str = "auto",
     ) -> None:
         super().__init__()
-        self.scheme = Scheme(scheme)
+        self.scheme = scheme_named(scheme)
         self.norm = LayerNorm(dim, eps, layernorm_impl)
         self.dropout = Dropout(dropout)
         self.deepnorm_alpha = float(deepnorm_alpha)  # DeepNorm's constant residual weight
@@ -329,20 +489,8 @@ class Residual(nn.Module):
         self.scale_is_one = self._branch_scale == 1.0
         self.scale_tensor: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.scheme is Scheme.POSTLN:
-            return self.norm(x + self.dropout(f(x)))
-        if self.scheme is Scheme.PRELN:
-            return x + self.dropout(f(self.norm(x)))
-        # torch.add(a, b, alpha=s) = a + s * b in one kernel (no separate scale and its
-        # backward); at s = 1 it is the plain sum, so BranchNorm at alpha=1 is Post-LN exactly.
-        if self.scheme is Scheme.DEEPNORM:
-            return self.norm(torch.add(self.dropout(f(x)), x, alpha=self.deepnorm_alpha))
-        if self.scale_is_one:  # past warm-up: Post-LN exactly, no scale to apply
-            return self.norm(x + self.dropout(f(x)))
-        if self.scale_tensor is not None:  # (): alpha_t on the device, filled once per update
-            return self.norm(torch.addcmul(x, self.dropout(f(x)), self.scale_tensor))
-        return self.norm(torch.add(x, self.dropout(f(x)), alpha=self.branch_scale))
+    def forward(self, x: torch.Tensor, f: Sublayer) -> torch.Tensor:
+        return self.scheme.block(self, x, f)
 
     def output_scale_for_postln(self) -> float:
         """The factor c with which this block equals Post-LN once F's output is scaled by c.
@@ -350,17 +498,14 @@ class Residual(nn.Module):
         LN is invariant to a positive scale of its input (up to epsilon), so
         LN(a x + F(x)) = LN(x + F(x) / a) and LN(x + s F(x)) is Post-LN with F scaled by s.
         """
-        if self.scheme is Scheme.POSTLN:
-            return 1.0
-        if self.scheme is Scheme.DEEPNORM:
-            return 1.0 / self.deepnorm_alpha
-        if self.scheme is Scheme.BRANCHNORM:
-            return self.branch_scale
-        raise ValueError("a Pre-LN block has no Post-LN equivalent")
+        if self.scheme.postln_scale is None:
+            raise ValueError(f"a {self.scheme.label} block has no Post-LN equivalent")
+        return self.scheme.postln_scale(self)
 
 
-def stack_final_norm(scheme: str, dim: int, eps: float, layernorm_impl: str) -> nn.Module:
-    """The LN after the last layer of a stack: Pre-LN needs one; the others none."""
-    if Scheme(scheme) is Scheme.PRELN:
+def stack_final_norm(scheme: str | Scheme, dim: int, eps: float, layernorm_impl: str) -> nn.Module:
+    """The LN after the last layer of a stack when the scheme has one (``Scheme.final_norm``:
+    Pre-LN); an identity otherwise."""
+    if scheme_named(scheme).final_norm:
         return LayerNorm(dim, eps, layernorm_impl)
     return nn.Identity()

@@ -31,7 +31,12 @@ import json
 import math
 from dataclasses import dataclass
 
-from megatron_branchnorm.config import ConfigError, ExperimentConfig, ModelConfig
+from megatron_branchnorm.config import (
+    RESIDUAL_SCHEMES,
+    ConfigError,
+    ExperimentConfig,
+    ModelConfig,
+)
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import (
     MAX_INT,
@@ -83,8 +88,10 @@ def decoder_layer_params(m: ModelConfig) -> int:
 
 
 def final_norm_params(m: ModelConfig) -> int:
-    """A stack's final LayerNorm: Pre-LN only (identity for the Post-LN family)."""
-    return 2 * m.hidden_size if m.residual == "preln" else 0
+    """A stack's final LayerNorm, when the scheme ends its stacks with one (Pre-LN; identity
+    for the Post-LN family): read from config.RESIDUAL_SCHEMES, as the plan may not import the
+    model's registry (docs/design.md §9)."""
+    return 2 * m.hidden_size if RESIDUAL_SCHEMES[m.residual].final_norm else 0
 
 
 def embedding_params(m: ModelConfig) -> int:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_branchnorm.config import RESIDUAL_SCHEMES
 from megatron_branchnorm.model.residual import (
+    SCHEMES,
     Residual,
     branchnorm_alpha,
     deepnorm_constants,
     residual_constants,
+    scheme_named,
 )
 
 
@@ -160,3 +165,41 @@ def test_blocks_share_parameter_names_across_schemes() -> None:
     assert len({tuple(v) for v in names.values()}) == 1
     # alpha and alpha_t are Python floats, never parameters or buffers
     assert names["branchnorm"] == ["norm.bias", "norm.weight"]
+
+
+# ---- the registry of schemes ----------------------------------------------------------------
+
+
+def test_the_registry_names_configs_schemes_with_their_traits() -> None:
+    """One registry (docs/design.md §11): config's names, each scheme's traits as the sites
+    ask them (final LN, fold to Post-LN, Marian export, DeepNet alpha and init, alpha_t)."""
+    assert set(SCHEMES) == set(RESIDUAL_SCHEMES)
+    traits = {
+        name: (
+            s.final_norm,
+            s.foldable_to_postln,
+            s.marian_exportable,
+            s.deepnet_alpha,
+            s.deepnet_init,
+            s.step_scaled,
+        )
+        for name, s in SCHEMES.items()
+    }
+    assert traits == {
+        "postln": (False, True, True, False, False, False),
+        "preln": (True, False, False, False, False, False),
+        "deepnorm": (False, True, True, True, True, False),
+        "branchnorm": (False, True, True, False, True, True),
+    }
+    assert [SCHEMES[n].label for n in ("postln", "preln")] == ["Post-LN", "Pre-LN"]
+
+
+def test_a_block_keeps_the_registrys_scheme_through_copies() -> None:
+    block = Residual("deepnorm", 8, 0.0)
+    assert block.scheme is SCHEMES["deepnorm"] is scheme_named(SCHEMES["deepnorm"])
+    assert copy.deepcopy(block).scheme is SCHEMES["deepnorm"]
+    assert pickle.loads(pickle.dumps(block)).scheme is SCHEMES["deepnorm"]
+    with pytest.raises(ValueError, match="unknown residual scheme 'rezero'"):
+        Residual("rezero", 8, 0.0)
+    with pytest.raises(ValueError, match="a Pre-LN block has no Post-LN equivalent"):
+        Residual("preln", 8, 0.0).output_scale_for_postln()
