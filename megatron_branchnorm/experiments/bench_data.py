@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from megatron_branchnorm.formats.records import metrics_path, read_metrics
 from megatron_branchnorm.runner.launch import deepspeed_command
 
 OPUS100_PAIRS = 55_000_000
@@ -274,7 +275,7 @@ def run_train(
     cmd, env = deepspeed_command(ranks, args)
     env.update({k: v for k, v in checkout_env(checkout).items() if k == "PYTHONPATH"})
     env["OMP_NUM_THREADS"] = "1"
-    metrics = save_dir / "metrics.jsonl"
+    metrics = metrics_path(save_dir)
     ready: dict[str, float] = {}
     lines: list[str] = []
     t0 = time.time()
@@ -306,14 +307,14 @@ def run_train(
     reader.join(timeout=5)
     (save_dir / "launcher.log").write_text("".join(lines))
     # DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer per rank in /dev/shm
-    # (~66 MB each), named after the port: remove this run's (as benchmark.train_run does).
+    # (~66 MB each), named after the port: remove this run's (as bench_train.train_run does).
     port = cmd[cmd.index("--master_port") + 1]
     for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
         leftover.unlink(missing_ok=True)
     if proc.returncode or first is None:
         tail = [x.strip() for x in lines[-4:]]
         raise RuntimeError(f"training exited {proc.returncode} before an update: {tail}")
-    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    records = read_metrics(save_dir)
     marked = sampler.marked or {}
     per_rank = {}
     for key in sorted(sampler.peaks, key=lambda k: int(k[4:])):

@@ -8,7 +8,6 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,11 +16,8 @@ import torch
 from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.records import read_metrics, read_rows
-from megatron_branchnorm.runner.launch import (  # rank_env: the environment srun + common.sh give
-    CHECKOUT,
-    free_port,
-    rank_env,
-)
+from megatron_branchnorm.runner.launch import CHECKOUT
+from megatron_branchnorm.runner.ranks import TRAINER, start_ranks, wait_ranks
 
 INJECTOR = "megatron_branchnorm.experiments.fault_inject"
 """The module a launch with a fault runs instead of megatron_branchnorm.train."""
@@ -55,39 +51,25 @@ data-parallel split must not change what an update computes."""
 def launch(
     save_dir: Path, overrides: list[str], log_dir: Path, fault: str = "", world: int = 2
 ) -> list[subprocess.Popen]:
-    """Start ``world`` ranks (as srun would) with BASE + overrides: train.py's main, or with a
-    ``fault`` (MBN_FAULT_INJECT's spec) the fault injector around it (fault_inject.py)."""
-    port = free_port()
-    procs = []
-    log_dir.mkdir(parents=True, exist_ok=True)
-    for r in range(world):
-        env = rank_env(r, world, port)
-        env.pop(FAULT_ENV, None)
-        if fault:
-            env[FAULT_ENV] = fault
-        log = open(log_dir / f"rank{r}.log", "a")
-        module = INJECTOR if fault else "megatron_branchnorm.train"
-        args = ["-m", module, "--config", "tiny_cpu", *BASE]
-        args += [f"train.save_dir={save_dir}", *overrides]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args], env=env, cwd=CHECKOUT, stdout=log, stderr=subprocess.STDOUT
-            )
-        )
-    return procs
+    """Start ``world`` ranks (as srun would, runner/ranks.py) with BASE + overrides: train.py's
+    main, or with a ``fault`` (MBN_FAULT_INJECT's spec) the fault injector around it
+    (fault_inject.py); each rank's output is appended to ``log_dir/rank<R>.log``."""
+    args = ["--config", "tiny_cpu", *BASE, f"train.save_dir={save_dir}", *overrides]
+    ranks = start_ranks(
+        world,
+        args,
+        log_dir,
+        module=INJECTOR if fault else TRAINER,
+        env={FAULT_ENV: fault} if fault else None,  # rank_env gives no MBN_FAULT* variable
+        cwd=CHECKOUT,
+        mode="a",
+    )
+    return ranks.procs
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
     """Exit codes; ranks still alive after ``timeout`` are killed (code None is never returned)."""
-    deadline = time.time() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    return codes
+    return wait_ranks(procs, timeout)
 
 
 def records(save_dir: Path) -> list[dict]:

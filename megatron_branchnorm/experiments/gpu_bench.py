@@ -508,7 +508,7 @@ def run_bench(
     import torch
     import torch._dynamo
 
-    from megatron_branchnorm.experiments.benchmark import matmul_peak
+    from megatron_branchnorm.experiments.bench_step import matmul_peak
     from megatron_branchnorm.formats.files import one_line
     from megatron_branchnorm.runner.hardware import cpu_info
 

@@ -295,7 +295,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
     import torch
 
     from megatron_branchnorm.config import load_config
-    from megatron_branchnorm.experiments.benchmark import matmul_peak
+    from megatron_branchnorm.experiments.bench_step import matmul_peak
     from megatron_branchnorm.experiments.gpu_bench import steady_state
     from megatron_branchnorm.parallel.planner import plan_run
 

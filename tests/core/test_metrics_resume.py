@@ -27,7 +27,7 @@ from megatron_branchnorm.training.metrics import (
 )
 from megatron_branchnorm.training.retention import best_checkpoints, read_scores
 from megatron_branchnorm.training.stopping import NonfiniteSkips
-from megatron_branchnorm.workflows.rehearse import _steps_once, read_training_rows
+from megatron_branchnorm.workflows.rehearse_checks import _steps_once, read_training_rows
 
 
 class Run:
