@@ -18,8 +18,9 @@ data-parallel rank (:func:`read_master_weights`). Exports and re-laid checkpoint
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -117,8 +118,8 @@ def dataset_of(tag_dir: Path) -> str | None:
     """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
     config cannot be read: the caller reports that when it loads the checkpoint)."""
     try:
-        data = ckpt.read_train_config(tag_dir)["config"]["data"]["dataset"]
-    except (ckpt.CheckpointError, KeyError, TypeError):
+        data = ckpt.read_train_record(tag_dir).config_value("data.dataset")
+    except ckpt.CheckpointError:
         return None
     return data if isinstance(data, str) and data and data != "synthetic" else None
 
@@ -131,7 +132,7 @@ def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
     data (no text to translate) and for a checkpoint that recorded no manifest (older ones:
     nothing to check the DATA_DIR against)."""
     data = dataset_of(tag_dir)
-    recorded = ckpt.read_train_config(tag_dir).get("data_manifest_sha256")
+    recorded = ckpt.read_train_record(tag_dir).data_manifest_sha256
     if data is None or recorded is None:
         return None, None
     unknown = "the export records no trained directions (translate refuses only a language "
@@ -152,8 +153,8 @@ def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
 
 def read_checkpoint(
     tag_dir: Path, verify: bool = True, indices: set[int] | None = None
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(``train_config.json``, flat state dict) of one checkpoint directory
+) -> tuple[ckpt.TrainConfigRecord, dict[str, torch.Tensor]]:
+    """(``train_config.json``'s record, flat state dict) of one checkpoint directory
     (:func:`megatron_branchnorm.formats.checkpoint.read_checkpoint` with the flat model's keys)."""
     return ckpt.read_checkpoint(tag_dir, pipe_to_flat_key, verify=verify, indices=indices)
 
@@ -196,12 +197,14 @@ def load_pipeline_checkpoint(
     masters = []
     for t in tags:
         info, state = read_checkpoint(save_dir / t)
-        names = ckpt.saved_spec_names(save_dir / t, info)
+        names = info.need("spec_names")
         masters.append(_apply_master_weights(save_dir / t, names, state))
         infos.append(info)
         states.append(state)
     try:
-        cfg = config_from_dict(infos[-1]["config"])
+        if infos[-1].config is None:
+            raise KeyError("config")  # the message a missing config has always had
+        cfg = config_from_dict(infos[-1].config)
     except (KeyError, ConfigError) as exc:
         where = save_dir / tags[-1] / TRAIN_CONFIG
         raise ConvertError(f"{where}: bad config: {one_line(str(exc), 300)}") from None
@@ -222,14 +225,14 @@ def load_pipeline_checkpoint(
     if extra:
         raise ConvertError(f"{save_dir / tags[-1]}: unexpected tensors {sorted(extra)[:3]}")
     model.load_state_dict(state, strict=True)
-    step = int(infos[-1]["step"])
+    step = infos[-1].need("step")
     model.set_step(step)  # alpha of the last applied update
     model.eval()
     meta = {
         "source_checkpoint": str(save_dir.resolve()),
         "tag": tags[-1],
         "averaged": tags if len(tags) > 1 else [],
-        "pipeline_stages": len(infos[-1]["parts"]) - 1,
+        "pipeline_stages": len(infos[-1].need("parts")) - 1,
         "data": cfg.data.dataset,
         "weights": "fp32 master weights (bf16 training: DeepSpeed's BF16 optimizer)"
         if all(masters)
@@ -261,20 +264,6 @@ class Vocabulary:
     def provenance(self) -> dict:
         """What export.json records about the vocabulary."""
         return {"source": self.source, "spm_sha256": self.spm_sha256}
-
-
-def _recorded_vocab(tag_dir: Path, info: dict) -> dict | None:
-    """The ``vocab`` entry of a tag's train_config.json, checked (None: synthetic data)."""
-    vocab = info["vocab"]
-    if vocab is None:
-        return None
-    sha = vocab.get("spm_sha256") if isinstance(vocab, dict) else None
-    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise ConvertError(
-            f"{tag_dir / TRAIN_CONFIG}: key vocab must be null or hold spm_sha256 (64 "
-            f"hex digits), got {quote(vocab)}"
-        )
-    return vocab
 
 
 def _spm_languages(path: Path) -> list[str]:
@@ -318,11 +307,11 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
     (no ``vocab`` key) falls back to DATA_DIR's model, which cannot be checked: a warning
     says so. ``vocab: null`` is synthetic data (no vocabulary)."""
     save_dir = Path(save_dir)
-    infos = {t: ckpt.read_train_config(save_dir / t) for t in tags}
-    records = {t: _recorded_vocab(save_dir / t, i) for t, i in infos.items() if "vocab" in i}
+    infos = {t: ckpt.read_train_record(save_dir / t) for t in tags}  # vocab checked there
+    records = {t: i.vocab for t, i in infos.items() if i.vocab_recorded}
     seen: dict[str | None, str] = {}
     for t, vocab in records.items():
-        sha = None if vocab is None else vocab["spm_sha256"]
+        sha = None if vocab is None else vocab.spm_sha256
         if seen and sha not in seen:
             first_sha, first_tag = next(iter(seen.items()))
             raise ConvertError(
@@ -345,7 +334,7 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
         vocab = records[ref_tag]
         if vocab is None:
             return out  # synthetic data: no vocabulary
-        expected = vocab["spm_sha256"]
+        expected = vocab.spm_sha256
         for t in reversed([t for t in tags if t in records]):
             path = save_dir / t / SPM_IN_CHECKPOINT
             if path.is_file():
@@ -409,11 +398,8 @@ def _short(sha: str | None) -> str:
     return "none (synthetic data)" if sha is None else f"{sha[:12]}..."
 
 
-def _model_vocab_size(info: dict) -> int | None:
-    try:
-        value = info["config"]["model"]["vocab_size"]
-    except (KeyError, TypeError):
-        return None
+def _model_vocab_size(info: ckpt.TrainConfigRecord) -> int | None:
+    value = info.config_value("model.vocab_size")
     return value if isinstance(value, int) else None
 
 
@@ -452,7 +438,7 @@ def repartition_checkpoint(
     (tag,) = resolve_tags(save_dir, tag)
     src = save_dir / tag
     info, _ = read_checkpoint(src, indices=set())
-    cfg = config_from_dict(info["config"])
+    cfg = config_from_dict(info.need("config"))
     method = (
         cfg.pipeline.partition
         if cfg.pipeline.partition in ("balanced", "uniform")
@@ -465,7 +451,7 @@ def repartition_checkpoint(
     tmp = temp_dir_beside(out_dir, "convert_checkpoint")  # marked: never another's removed
     try:
         (tmp / tag).mkdir()
-        names = ckpt.saved_spec_names(src, info)
+        names = info.need("spec_names")
         master = read_master_weights(src, names)  # bf16: the optimizer files stay behind
         for path in src.iterdir():
             idx = ckpt.layer_index(path.name)
@@ -477,12 +463,17 @@ def repartition_checkpoint(
                     exact = master[pipe_to_flat_key(names[idx], key)]
                     layer[key] = exact.view(value.shape).clone()
                 torch.save(layer, tmp / tag / path.name)
-        info["parts"] = parts
-        info["repartitioned"] = True
-        info["config"]["pipeline"]["stages"] = stages
-        info["config"]["pipeline"]["partition"] = method
-        ckpt.write_train_config(tmp / tag, info)
-        ckpt.write_manifest(tmp / tag, int(info["step"]))
+        config = copy.deepcopy(info.need("config"))
+        config["pipeline"] = {**config.get("pipeline", {}), "stages": stages, "partition": method}
+        relaid = replace(
+            info,
+            parts=tuple(parts),
+            repartitioned=True,
+            config=config,
+            where=tmp / tag / TRAIN_CONFIG,
+        )
+        ckpt.write_train_config(tmp / tag, relaid)
+        ckpt.write_manifest(tmp / tag, relaid.need("step"))
         ckpt.write_latest(tmp, tag)
         (tmp / TEMP_MARKER).unlink()
         if out_dir.exists():

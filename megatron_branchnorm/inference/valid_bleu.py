@@ -102,9 +102,7 @@ def checkpoint_data(save_dir: Path, tag: str, opts: WatchOptions) -> str:
     ``data.dataset``."""
     if opts.data:
         return opts.data
-    config = ckpt.read_train_config(save_dir / tag).get("config")
-    section = config.get("data") if isinstance(config, dict) else None
-    data = section.get("dataset") if isinstance(section, dict) else None
+    data = ckpt.read_train_record(save_dir / tag).config_value("data.dataset")
     if not isinstance(data, str) or not data or data == "synthetic":
         raise ConvertError(f"{save_dir / tag}: trained on synthetic data: no text to translate")
     return data
@@ -174,8 +172,8 @@ def run_finished(save_dir: Path) -> bool:
     complete, _ = ckpt.checkpoint_tags(save_dir)
     if not complete:
         return False
-    config = ckpt.read_train_config(save_dir / complete[-1]).get("config", {})
-    return ckpt.tag_step(complete[-1]) == config.get("train", {}).get("max_steps")
+    record = ckpt.read_train_record(save_dir / complete[-1])
+    return ckpt.tag_step(complete[-1]) == record.config_value("train.max_steps")
 
 
 def score_checkpoint(save_dir: Path, pending: Pending, opts: WatchOptions) -> dict[str, Any]:

@@ -120,26 +120,27 @@ class Checkpointer:
         )
         tag = ckpt.tag_for(step)
         tag_dir = self.save_dir / tag
-        client = {
-            "step": step,
-            "samples": samples,
-            "sampler": sampler,
-            "spec_names": spec_names(self.cfg.model),
-            "parts": self.parts,
-            "config": self.cfg.to_dict(),
-            "vocab": None
+        record = ckpt.TrainConfigRecord(
+            step=step,
+            samples=samples,
+            sampler=sampler,
+            spec_names=spec_names(self.cfg.model),
+            parts=tuple(self.parts),
+            config=self.cfg.to_dict(),
+            vocab=None
             if self.vocab is None
-            else {k: self.vocab[k] for k in ("spm_sha256", "vocab_size")},
-            "data_manifest_sha256": self.data_manifest_sha256,
-            "precision": precision_of(self.ds_config),
-            "data_parallel": self.dp,
-        }
+            else ckpt.VocabRecord(self.vocab["spm_sha256"], self.vocab["vocab_size"]),
+            data_manifest_sha256=self.data_manifest_sha256,
+            precision=precision_of(self.ds_config),
+            data_parallel=self.dp,
+            where=tag_dir / ckpt.TRAIN_CONFIG,
+        )
         t0 = time.time()
         if self.rank == 0 and tag_dir.is_dir() and not (tag_dir / ckpt.MANIFEST).is_file():
             shutil.rmtree(tag_dir)  # leftovers of a save that was killed: start clean
         collectives.barrier()
         try:
-            self._save(tag_dir, client)
+            self._save(tag_dir, record)
         except KeyboardInterrupt:
             if self.rank == 0 and not (tag_dir / ckpt.MANIFEST).is_file():
                 shutil.rmtree(tag_dir, ignore_errors=True)
@@ -147,9 +148,11 @@ class Checkpointer:
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
         self._retain()
 
-    def _save(self, tag_dir: Path, client: dict) -> None:
-        """The files of one save, then (rank 0) its manifest and ``latest``."""
-        step, tag = client["step"], tag_dir.name
+    def _save(self, tag_dir: Path, record: ckpt.TrainConfigRecord) -> None:
+        """The files of one save, then (rank 0) its manifest and ``latest``. DeepSpeed keeps
+        the record's JSON object as each engine file's client state too."""
+        step, tag = record.need("step"), tag_dir.name
+        client = record.to_json()
         self._guard_checkpoint_engine()
         self.save_error = None
         # Each stage's engine file also names its fp32 optimizer's parameters in order (torch
@@ -173,7 +176,7 @@ class Checkpointer:
             try:
                 if self.vocab is not None:
                     shutil.copyfile(self.vocab["path"], tag_dir / ckpt.SPM_IN_CHECKPOINT)
-                ckpt.write_train_config(tag_dir, client)
+                ckpt.write_train_config(tag_dir, record)
                 ckpt.write_manifest(tag_dir, step)
                 ckpt.write_latest(self.save_dir, tag)
             except OSError as exc:
@@ -258,14 +261,14 @@ class Checkpointer:
             return
         tag_dir = self.save_dir / tag
         ckpt.verify_checkpoint(tag_dir)
-        saved = ckpt.read_train_config(tag_dir)
+        saved = ckpt.read_train_record(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)
-        self._check_precision(tag_dir, saved.get("precision"))
+        self._check_precision(tag_dir, saved.precision)
         partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
         if (
-            saved["parts"] != self.parts
-            or saved.get("repartitioned")
+            list(saved.need("parts")) != list(self.parts)
+            or saved.repartitioned
             or (partitions and partitions != {self.dp})
         ):
             self._resume_other_layout(tag_dir, saved)
@@ -273,9 +276,13 @@ class Checkpointer:
         load_path, client = self.engine.load_checkpoint(str(self.save_dir), tag=tag)
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
-        self.state.step = int(client["step"])
-        self.state.samples = int(client["samples"])
-        self.stream.load_state_dict(client["sampler"])
+        # DeepSpeed's copy of the record (the client state of this stage's engine file)
+        loaded = ckpt.TrainConfigRecord.from_json(
+            client, tag_dir / ckpt.engine_file(self.engine.stage_id)
+        )
+        self.state.step = loaded.need("step")
+        self.state.samples = loaded.need("samples")
+        self.stream.load_state_dict(loaded.need("sampler"))
         rng_path = ckpt.rng_file(tag_dir, self.rank)
         if rng_path.is_file():
             ckpt.restore_rng_state(rng_path)
@@ -299,18 +306,18 @@ class Checkpointer:
                 "checkpoint's precision and ZeRO stage"
             )
 
-    def _check_resume_config(self, tag_dir: Path, saved: dict) -> dict:
+    def _check_resume_config(self, tag_dir: Path, saved: ckpt.TrainConfigRecord) -> dict:
         """The checks a resume makes against the checkpoint: first the vocabulary (the data's
         SentencePiece model must be the one the checkpoint was trained with: its sha256 in
         ``train_config.json``), then the config, key by key (module resume_policy: a fixed
         key that differs is an error). Returns the allowed changes."""
-        if "vocab" not in saved:
+        if not saved.vocab_recorded:
             self.log(
                 f"warning: {tag_dir} predates vocabulary checks: the SentencePiece model of "
                 f"{self.cfg.data.dataset} cannot be checked against it"
             )
         else:
-            old = (saved["vocab"] or {}).get("spm_sha256")
+            old = saved.vocab.spm_sha256 if saved.vocab is not None else None
             new = (self.vocab or {}).get("spm_sha256")
             if old != new:
                 mine = self.vocab["path"] if self.vocab else "synthetic data (no vocabulary)"
@@ -322,10 +329,10 @@ class Checkpointer:
                 )
         same_data = (
             self.data_manifest_sha256 is not None
-            and saved.get("data_manifest_sha256") == self.data_manifest_sha256
+            and saved.data_manifest_sha256 == self.data_manifest_sha256
         )
         return resume_policy.check_resume(
-            saved["config"], self.cfg.to_dict(), str(tag_dir), same_data
+            saved.need("config"), self.cfg.to_dict(), str(tag_dir), same_data
         )
 
     def _apply_optimizer_config(self) -> None:
@@ -344,7 +351,7 @@ class Checkpointer:
             group["weight_decay"] = t.weight_decay
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
-    def _resume_other_layout(self, tag_dir: Path, saved: dict) -> None:
+    def _resume_other_layout(self, tag_dir: Path, saved: ckpt.TrainConfigRecord) -> None:
         """Resume a checkpoint written in another layout (stage count, split or data-parallel
         size) with the whole training state (docs/design.md §17): weights layer by layer
         (layer files are named by their index in the layer list, not by stage); fp32 master
@@ -371,7 +378,7 @@ class Checkpointer:
                 raise ckpt.CheckpointError(f"{tag_dir}: no weights for {flat_key}")
             state[key] = flat[flat_key]
         self.module.load_state_dict(state, strict=True)
-        old_parts = [int(p) for p in saved["parts"]]
+        old_parts = list(saved.need("parts"))
         old_stages = {_stage_of(old_parts, idx) for idx in mine} | ({0} if tied else set())
         optim = ckpt.read_optimizer_state(
             tag_dir,
@@ -381,9 +388,9 @@ class Checkpointer:
         )
         if optim is not None:
             self._place_optimizer_state(tag_dir, optim, names)
-        self.state.step = int(saved["step"])
-        self.state.samples = int(saved["samples"])
-        self.stream.load_state_dict(saved["sampler"])
+        self.state.step = saved.need("step")
+        self.state.samples = saved.need("samples")
+        self.stream.load_state_dict(saved.need("sampler"))
         self.scheduler.last_epoch = self.state.step
         self.engine.global_steps = self.state.step
         self.engine.global_samples = self.state.samples

@@ -48,7 +48,7 @@ def saved_batch(save_dir: Path) -> SavedBatch | None:
     tag, _ = ckpt.resume_tag(save_dir)
     if tag is None:
         return None
-    info = ckpt.read_train_config(save_dir / tag)
+    info = ckpt.read_train_record(save_dir / tag)
     micro = ckpt.saved_micro_batches(info)
     dp = ckpt.saved_data_parallel(save_dir / tag, info)
     return SavedBatch(micro, dp) if micro is not None and dp is not None else None
