@@ -39,6 +39,7 @@ import psutil
 
 from megatron_branchnorm.formats.records import metrics_path, read_metrics
 from megatron_branchnorm.runner.launch import deepspeed_command
+from megatron_branchnorm.runner.ranks import remove_shm_leftovers
 
 OPUS100_PAIRS = 55_000_000
 """Training pairs of OPUS-100 (the projection's target)."""
@@ -307,10 +308,8 @@ def run_train(
     reader.join(timeout=5)
     (save_dir / "launcher.log").write_text("".join(lines))
     # DeepSpeed's CPU backend leaves a shared-memory all-reduce buffer per rank in /dev/shm
-    # (~66 MB each), named after the port: remove this run's (as bench_train.train_run does).
-    port = cmd[cmd.index("--master_port") + 1]
-    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-        leftover.unlink(missing_ok=True)
+    # (~66 MB each), named after the port: remove this run's.
+    remove_shm_leftovers(int(cmd[cmd.index("--master_port") + 1]))
     if proc.returncode or first is None:
         tail = [x.strip() for x in lines[-4:]]
         raise RuntimeError(f"training exited {proc.returncode} before an update: {tail}")

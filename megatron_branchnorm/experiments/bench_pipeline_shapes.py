@@ -19,11 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-from megatron_branchnorm.runner.launch import free_port
+from megatron_branchnorm.runner.ranks import start_ranks
+
+MODULE = "megatron_branchnorm.experiments.bench_pipeline_shapes"
+"""What each rank runs: this module (as one of them, :func:`worker`)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -112,25 +116,17 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    port = free_port()
-    me = [sys.executable, "-m", "megatron_branchnorm.experiments.bench_pipeline_shapes"]
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        procs.append(
-            subprocess.Popen(
-                [*me, *sys.argv[1:]], env=env, stderr=subprocess.DEVNULL if rank else None
-            )
-        )
-    return max(p.wait() for p in procs)
+    # rank 0's output (its JSON line last) comes through here as it is written; rank 1's
+    # goes to a log, shown when it fails
+    with tempfile.TemporaryDirectory(prefix="mbn_bench_shapes_") as logs:
+        with start_ranks(2, sys.argv[1:], Path(logs), module=MODULE, pipe_rank0=True) as ranks:
+            for line in ranks[0].stdout:
+                sys.stdout.write(line)
+            codes = [p.wait() for p in ranks]
+        if codes[1]:
+            tail = ranks.logs[1].read_text(encoding="utf-8", errors="replace")[-3000:]
+            sys.stderr.write(f"rank 1 exited {codes[1]}:\n{tail}")
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from typing import Any
 from megatron_branchnorm.config import RESIDUAL_SCHEMES
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
-from megatron_branchnorm.formats.records import read_metrics
+from megatron_branchnorm.formats.records import metrics_path, read_metrics
 from megatron_branchnorm.runner.launch import (
     CHECKOUT,
     LaunchError,
@@ -61,7 +61,8 @@ SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
 
 
 def known_schemes() -> tuple[str, ...]:
-    """Every scheme ``--schemes`` takes: the paper's, then any other of config's registry."""
+    """Every scheme ``--schemes`` takes: the paper's, then any other of config's registry
+    (also the sweep's, experiments/sweep.py)."""
     return SCHEMES + tuple(sorted(set(RESIDUAL_SCHEMES) - set(SCHEMES)))
 
 
@@ -279,7 +280,7 @@ def run_cell(
         proc.wait(timeout=minutes * 60 + 900)
     wall = time.time() - start
     result = {"scheme": scheme, "layers": layers, "settings": s}
-    result.update(summarize(read_rows(save_dir / "metrics.jsonl"), proc.returncode))
+    result.update(summarize(read_rows(metrics_path(save_dir)), proc.returncode))
     result.update(
         {
             "returncode": proc.returncode,

@@ -51,7 +51,7 @@ from typing import Any
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
-from megatron_branchnorm.formats.records import read_metrics
+from megatron_branchnorm.formats.records import metrics_path, read_metrics
 from megatron_branchnorm.runner.launch import CHECKOUT, tool_command
 from megatron_branchnorm.runner.steps import Status, prepare_data, run_logged
 from megatron_branchnorm.tokens import lang_tag
@@ -340,7 +340,7 @@ def run_fairseq(out: Path, data: Path, cfg: Any, opts: argparse.Namespace) -> di
 def ours_result(run_dir: Path, scheme: str) -> dict[str, Any]:
     """Our part of the report from a run_demo output directory."""
     final = run_dir / "eval" / "final.json"
-    metrics = run_dir / "train" / "metrics.jsonl"
+    metrics = metrics_path(run_dir / "train")
     if not final.is_file() or not metrics.is_file():
         raise SideBySideError(f"{run_dir}: no eval/final.json or train/metrics.jsonl")
     rows = read_metrics(metrics.parent, strict=True)

@@ -270,17 +270,16 @@ def train_overrides(
 
 @contextlib.contextmanager
 def _one_rank() -> Iterator[None]:
-    """This process as a world of one rank for one Trainer (a fresh rendezvous port each
-    time); the environment is restored after."""
-    from megatron_branchnorm.runner.launch import free_port
+    """This process as a world of one rank for one Trainer (srun's variables for rank 0 of 1,
+    :func:`megatron_branchnorm.runner.launch.rank_env`, on a fresh rendezvous port each time);
+    the environment is restored after."""
+    from megatron_branchnorm.runner.launch import free_port, rank_env
     from megatron_branchnorm.training import environment
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-    )  # fmt: skip
+    world_of_one = rank_env(0, 1, free_port())
+    os.environ.update({k: world_of_one[k] for k in keys})
     try:
         yield
     finally:

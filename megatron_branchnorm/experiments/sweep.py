@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.cli import ArgumentParser, run_main
-from megatron_branchnorm.config import CONFIG_DIR, RESIDUAL_SCHEMES
+from megatron_branchnorm.config import CONFIG_DIR
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.experiments.depth_study import SCHEMES, known_schemes
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.files import FileShapeError, quote, read_small_file
 from megatron_branchnorm.formats.outputs import (
@@ -69,15 +70,6 @@ from megatron_branchnorm.training.metrics import training_rows
 
 SWEEP_FILE = "sweep.json"
 RECIPE_LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "recipe.sh"
-SCHEMES = ("postln", "preln", "deepnorm", "branchnorm")
-"""The paper's schemes, in its rows' order: the default ``--schemes``."""
-
-
-def known_schemes() -> tuple[str, ...]:
-    """Every scheme ``--schemes`` takes: the paper's, then any other of config's registry."""
-    return SCHEMES + tuple(sorted(set(RESIDUAL_SCHEMES) - set(SCHEMES)))
-
-
 MAX_DEPTH = 1000
 """Deepest N of an N-N cell: the paper's deepest models have 1,000 layers a side; a larger
 ``--depths`` is a typo, refused before anything is submitted."""

@@ -3,9 +3,12 @@
 Every rank is a plain ``python -m megatron_branchnorm.train`` (or another module, or a script)
 with RANK/WORLD_SIZE/LOCAL_RANK/... in its environment (:func:`rank_env`) and a rendezvous port
 of its own run (:func:`free_port`), its output in ``rank<R>.log``. The rehearsal
-(``workflows/rehearse_runs.py``), the benchmark's train.py runs (``experiments/bench_train.py``)
-and the fault runs (``experiments/fault_runs.py``) start their ranks here; the deepspeed
-launcher's single process group is :func:`megatron_branchnorm.runner.launch.logged_group`.
+(``workflows/rehearse_runs.py``), the benchmark's train.py runs (``experiments/bench_train.py``),
+the fault runs (``experiments/fault_runs.py``), the GPU check's train.py runs
+(``workflows/gpu_check.py``), ``experiments/bench_pipeline_shapes.py``, the launch counter's
+children (``experiments/launches.py``: worlds of one) and the tests' multi-rank harnesses
+start their ranks here; the deepspeed launcher's single process group is
+:func:`megatron_branchnorm.runner.launch.logged_group`.
 
 :class:`Ranks` is the group: reaped without blocking (:meth:`Ranks.poll`, which keeps each
 rank's ``ru_maxrss``), sampled for its peak resident set (:meth:`Ranks.sample_peaks`, VmHWM
@@ -80,7 +83,8 @@ class Ranks:
         self.port = port
         """The rendezvous port (MASTER_PORT) of the run."""
         self.logs = logs
-        """Each rank's log file (rank 0's: where its reader writes it, with ``pipe_rank0``)."""
+        """Each rank's log file (rank 0's: where its reader writes it, with ``pipe_rank0``);
+        none when the ranks' output is piped (:func:`start_ranks` without a ``log_dir``)."""
         self.codes: list[int | None] = [None] * len(procs)
         """Exit codes of the ranks :meth:`poll` reaped; None while running."""
         self.maxrss_mb: list[float | None] = [None] * len(procs)
@@ -152,37 +156,44 @@ class Ranks:
 def start_ranks(
     world: int,
     args: list[str],
-    log_dir: Path,
+    log_dir: Path | None,
     *,
     module: str | None = TRAINER,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
     mode: str = "w",
     pipe_rank0: bool = False,
+    log_prefix: str = "",
 ) -> Ranks:
     """Start ``world`` ranks of ``python -m MODULE ARGS`` (``module`` None: ``python ARGS``, a
     script and its arguments) on a fresh rendezvous port, each with :func:`rank_env` plus
     ``env`` (added last: it may override) and its output in ``log_dir/rank<R>.log`` (``mode``
-    "w" starts it afresh, "a" appends). ``pipe_rank0``: rank 0's output (text, undecodable
-    bytes replaced) is a pipe, ``ranks[0].stdout``, for the caller to read and log.
+    "w" starts it afresh, "a" appends; ``log_prefix`` goes before the name, for the logs of
+    several runs in one directory). ``pipe_rank0``: rank 0's output (text, undecodable bytes
+    replaced) is a pipe, ``ranks[0].stdout``, for the caller to read and log. ``log_dir``
+    None: no logs; every rank's stdout and stderr are pipes of their own (text, undecodable
+    bytes replaced), for the caller to read (``Popen.communicate``), where a check needs the
+    two streams apart.
 
     The ranks run in this process group (a Ctrl-C reaches them too); a rank that cannot be
     started kills those already started."""
     argv = [sys.executable, *(["-m", module] if module else []), *args]
     port = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    logs = [log_dir / f"rank{r}.log" for r in range(world)]
+    logs: list[Path] = []
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        logs = [log_dir / f"{log_prefix}rank{r}.log" for r in range(world)]
     group = Ranks([], argv, port, logs)
     try:
         for rank in range(world):
             rank_environment = {**rank_env(rank, world, port), **(env or {})}
-            if rank == 0 and pipe_rank0:
+            if log_dir is None or (rank == 0 and pipe_rank0):
                 proc = subprocess.Popen(
                     argv,
                     env=rank_environment,
                     cwd=cwd,
                     stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.PIPE if log_dir is None else subprocess.STDOUT,
                     text=True,
                     errors="replace",
                 )

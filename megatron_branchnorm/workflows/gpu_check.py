@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -251,21 +250,21 @@ def apex_rows(device: str) -> list[Row]:
 
 
 def _launch(world: int, overrides: list[str], save_dir: Path, timeout: float) -> float:
-    """Run train.py on ``world`` ranks (one process each, as srun starts them); seconds."""
-    from megatron_branchnorm.runner.launch import free_port, rank_env
+    """Run train.py on ``world`` ranks (one process each, as srun starts them:
+    :func:`megatron_branchnorm.runner.ranks.start_ranks`), rank R's output in
+    ``<save_dir>.rank<R>.log`` beside it; seconds. A run past ``timeout`` is killed
+    (subprocess.TimeoutExpired)."""
+    from megatron_branchnorm.runner.ranks import start_ranks
 
-    port, start = free_port(), time.time()
-    args = [sys.executable, str(TRAIN), "--config", "tiny_cpu", *overrides,
-            f"train.save_dir={save_dir}"]  # fmt: skip
+    start = time.time()
+    args = [str(TRAIN), "--config", "tiny_cpu", *overrides, f"train.save_dir={save_dir}"]
     save_dir.mkdir(parents=True)
-    procs = []
-    for r in range(world):
-        log = open(save_dir.parent / f"{save_dir.name}.rank{r}.log", "w")  # noqa: SIM115
-        env = {**rank_env(r, world, port), "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=timeout) for p in procs]
+    env = {"PYTHONWARNINGS": "ignore"}
+    log_dir, prefix = save_dir.parent, f"{save_dir.name}."
+    with start_ranks(world, args, log_dir, module=None, env=env, log_prefix=prefix) as ranks:
+        codes = [p.wait(timeout=timeout) for p in ranks]
     if any(codes):
-        log = (save_dir.parent / f"{save_dir.name}.rank0.log").read_text()[-1500:]
+        log = ranks.logs[0].read_text()[-1500:]
         raise RuntimeError(f"train.py on {world} rank(s) exited {codes}: {log}")
     return time.time() - start
 

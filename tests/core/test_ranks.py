@@ -65,3 +65,13 @@ def test_append_mode_and_module(tmp_path):
     assert wait_ranks(ranks.procs, timeout=120) == [0]
     text = (tmp_path / "rank0.log").read_text()
     assert text.startswith("before\n") and "pip" in text
+
+
+def test_pipes_apart_without_a_log_dir_and_log_prefix(tmp_path):
+    two = "import sys; print('out'); print('err', file=sys.stderr)"
+    ranks = start_ranks(2, ["-c", two], None, module=None)
+    assert ranks.logs == []
+    assert [p.communicate(timeout=60) for p in ranks] == [("out\n", "err\n")] * 2
+    ranks = start_ranks(1, ["-c", ECHO], tmp_path, module=None, log_prefix="run.")
+    assert ranks.wait(timeout=60) == [0]
+    assert (tmp_path / "run.rank0.log").read_text().startswith("0 1 ")

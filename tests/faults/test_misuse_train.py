@@ -21,6 +21,7 @@ import yaml
 from megatron_branchnorm.config import ConfigError, ExperimentConfig, load_config
 from megatron_branchnorm.experiments.fault_inject import FAULT_ENV
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.runner.ranks import start_ranks
 from megatron_branchnorm.training import resume_policy
 from megatron_branchnorm.training.run_lock import LOCK_NAME, STALE_S, LockError, RunLock
 from tests.data.conftest import make_opus, run_preprocess
@@ -47,27 +48,14 @@ TINY = [
 def start(
     save_dir: Path, overrides: list[str], world: int = 1, fault: str = ""
 ) -> list[subprocess.Popen]:
-    """``world`` ranks of train.py on tiny_cpu + TINY (+ overrides), stdout and stderr piped."""
-    port = free_port()
+    """``world`` ranks of train.py on tiny_cpu + TINY (+ overrides), stdout and stderr piped
+    apart (:func:`megatron_branchnorm.runner.ranks.start_ranks` without a log directory)."""
     stages = [] if world == 1 else [f"pipeline.stages={world}"]
-    procs = []
-    for r in range(world):
-        env = rank_env(r, world, port)
-        if fault:  # train.py's main inside the test-only fault injector
-            env[FAULT_ENV] = fault
-        entry = ["-m", INJECTOR] if fault else [TRAIN]
-        args = [*entry, "--config", "tiny_cpu", *TINY, *stages, f"train.save_dir={save_dir}"]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args, *overrides],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+    # with a fault, train.py's main inside the test-only fault injector
+    entry = ["-m", INJECTOR] if fault else [TRAIN]
+    args = [*entry, "--config", "tiny_cpu", *TINY, *stages, f"train.save_dir={save_dir}"]
+    env = {FAULT_ENV: fault} if fault else None  # rank_env gives no MBN_FAULT* variable
+    return start_ranks(world, [*args, *overrides], None, module=None, env=env, cwd=ROOT).procs
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from megatron_branchnorm.runner.launch import (
     free_port,
     rank_env,  # the environment srun + common.sh give
 )
+from megatron_branchnorm.runner.ranks import start_ranks
 
 __all__ = ["ROOT", "free_port", "launch_ranks", "rank_env"]
 
@@ -20,23 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def launch_ranks(
     args: list[str], world: int, log_dir: Path, cwd: Path = ROOT, env: dict | None = None
-) -> list:
+) -> list[subprocess.Popen]:
     """Start ``world`` processes of ``python ARGS`` as gloo ranks (as srun would), with
-    ``env`` added to each rank's environment."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        log = open(log_dir / f"rank{r}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *args],
-                env={**rank_env(r, world, port), **(env or {})},
-                cwd=cwd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    return procs
+    ``env`` added to each rank's environment and rank R's output in ``log_dir/rank<R>.log``
+    (:func:`megatron_branchnorm.runner.ranks.start_ranks`)."""
+    return start_ranks(world, args, log_dir, module=None, env=env, cwd=cwd).procs
 
 
 @pytest.fixture(scope="session")
