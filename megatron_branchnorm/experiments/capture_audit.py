@@ -15,7 +15,7 @@ test cannot see most of it unless it looks for it: this module looks, on any dev
   dispatch; ``nonzero``, ``equal`` and the other ops tagged ``data_dependent_output`` or
   ``dynamic_output_shape``) and the Tensor methods that read values on the host without any
   aten op on a CPU tensor (``tolist``, ``numpy``, ``cpu``, ``__array__``: on a GPU each is a
-  device-to-host copy and a sync). ``trainer_syncs_per_update`` (tests/core/test_perf_paths.py)
+  device-to-host copy and a sync). ``trainer_syncs_per_update`` (tests/training/test_perf_paths.py)
   uses it around DeepSpeed's ``train_batch``.
 - :class:`CaptureAudit` also records every aten op with its tensor shapes and dtypes and its
   non-tensor arguments, and collects what a capture forbids: host syncs, copies between

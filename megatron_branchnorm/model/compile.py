@@ -61,7 +61,7 @@ FALLBACK_BACKEND = "aot_eager"
 def _keep_mask(shape: torch.Size, p: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """:func:`megatron_branchnorm.model.dropout.keep_mask` as Dynamo traces it: ``aten.random``
     (out of place) where the original fills with ``random_()``; the same draws, the same mask
-    (tests/core/test_compile.py checks it bit for bit)."""
+    (tests/model/test_compile.py checks it bit for bit)."""
     n = shape.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
     words = torch.ops.aten.random.default(words)

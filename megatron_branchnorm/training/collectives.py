@@ -10,7 +10,7 @@ associated with device type cpu". gloo serves both, so a CPU test cannot see the
 every tensor handed to a collective here is first put on :func:`communication_device` of its
 group, and the results stay there until the caller reads them once with :func:`to_host` (one
 host sync per update, not per micro-batch). No other module of the package calls
-torch.distributed's collectives (tests/core/test_collectives.py checks the source).
+torch.distributed's collectives (tests/training/test_collectives.py checks the source).
 
 Collectives are issued at world size 1 too: a one-GPU run then passes through the same NCCL
 calls as a 32-GPU run, so a one-GPU check exercises them.

@@ -13,14 +13,6 @@ from megatron_branchnorm.model import EncoderDecoder, build_model
 from .helpers import LANGS, tiny_config, train_copy_model, train_spm
 
 
-@pytest.fixture(autouse=True)
-def _fp32_default_dtype():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(previous)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     """Tiny models only lose from intra-op threads (and the test machine has 2 cores)."""

@@ -31,8 +31,7 @@ from megatron_branchnorm.parallel.pipeline import (
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import cuda_graphs
 from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, install
-
-from .helpers import random_tokens, tiny_config
+from tests.core.helpers import random_tokens, tiny_config
 
 CUDA = torch.device("cuda")  # only named: nothing here runs on it
 ELIGIBLE = {
@@ -383,7 +382,7 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
 
 @pytest.mark.distributed
 def test_through_the_engine_graphed_equals_eager_and_the_grad_trap_is_refused() -> None:
-    from .helpers import one_rank_process_group
+    from tests.core.helpers import one_rank_process_group
 
     with one_rank_process_group():
         eager = _engine_run("bf16", graphs=False)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.residual import LayerNorm, describe_layernorm, select_layernorm
-
-from .helpers import random_tokens, tiny_config
+from tests.core.helpers import random_tokens, tiny_config
 
 
 class CountingFusedLayerNorm(torch.nn.LayerNorm):

@@ -27,8 +27,7 @@ from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
 from megatron_branchnorm.parallel.pipeline import DecoderLayerPipe, EncoderLayerPipe
 from megatron_branchnorm.tokens import PAD_ID
-
-from .helpers import random_tokens, tiny_config
+from tests.core.helpers import random_tokens, tiny_config
 
 B, S, T = 3, 7, 6
 """The bucket shape of both replays: sentences x source length x target length."""
@@ -47,7 +46,7 @@ def test_the_audit_sees_syncs_host_data_and_data_sized_outputs() -> None:
     assert kinds.count("host sync") == 4, audit.findings  # float, tolist, cpu, the bool index
     assert "host-to-device copy" in kinds and "data-dependent size" in kinds
     sites = {f.site for f in audit.findings}
-    assert all(s.startswith("tests/core/test_capture_audit.py:") for s in sites), sites
+    assert all(s.startswith("tests/experiments/test_capture_audit.py:") for s in sites), sites
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # unwrapped again
     with audited() as clean:
         (x * 2).add_(1.0).sum()

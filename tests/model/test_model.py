@@ -13,8 +13,7 @@ import torch
 
 from megatron_branchnorm.model import EncoderDecoder, build_model
 from megatron_branchnorm.tokens import BOS_ID, PAD_ID
-
-from .helpers import VOCAB, random_tokens, tiny_config
+from tests.core.helpers import VOCAB, random_tokens, tiny_config
 
 ATOL = 1e-5
 

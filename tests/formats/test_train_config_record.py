@@ -38,8 +38,7 @@ def real_run(tmp_path_factory) -> dict:
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.training.stop_signals import STOP_SIGNALS
     from megatron_branchnorm.training.trainer import Trainer
-
-    from .helpers import one_rank_process_group
+    from tests.core.helpers import one_rank_process_group
 
     save_dir = tmp_path_factory.mktemp("record") / "run"
     handlers = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}

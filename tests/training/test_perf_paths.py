@@ -12,8 +12,7 @@ from megatron_branchnorm.model.loss import (
 )
 from megatron_branchnorm.model.residual import Residual, select_layernorm
 from megatron_branchnorm.tokens import PAD_ID
-
-from .helpers import random_tokens, tiny_config
+from tests.core.helpers import random_tokens, tiny_config
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
@@ -194,8 +193,7 @@ def update_runs(tmp_path_factory):
     import signal
 
     from megatron_branchnorm.training.stop_signals import STOP_SIGNALS
-
-    from .helpers import one_rank_process_group
+    from tests.core.helpers import one_rank_process_group
 
     base = tmp_path_factory.mktemp("update")
     handlers = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}

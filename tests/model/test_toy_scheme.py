@@ -18,8 +18,7 @@ from megatron_branchnorm.inference.export import load_export, save_export
 from megatron_branchnorm.inference.hf_export import HFExportError, export_hf
 from megatron_branchnorm.model import residual
 from megatron_branchnorm.model.residual import Scheme
-
-from .helpers import one_rank_process_group
+from tests.core.helpers import one_rank_process_group
 
 HALF = 0.5
 

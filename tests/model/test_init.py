@@ -16,8 +16,7 @@ import torch
 
 from megatron_branchnorm.model import build_model, deepnorm_constants
 from megatron_branchnorm.tokens import PAD_ID
-
-from .helpers import tiny_config
+from tests.core.helpers import tiny_config
 
 D, FFN, LAYERS = 64, 128, 6
 

@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from megatron_branchnorm.model import build_model, label_smoothed_nll_loss
-
-from .helpers import random_tokens, tiny_config
+from tests.core.helpers import random_tokens, tiny_config
 
 LAYERS, WIDTH = 18, 32
 

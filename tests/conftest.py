@@ -1,4 +1,4 @@
-"""Fixtures shared by the core tests."""
+"""Fixtures shared by every test."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _fp32_default_dtype():
-    """Every core test runs in fp32, whatever a previous test did."""
+    """Every test runs in fp32, whatever a previous test did."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     yield
