@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megatron_branchnorm.errors import UserError
 
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 """The directory that holds this package: in a checkout, the home of slurm/ (the rehearsals
 read the launchers there) and the research harness's working directory (the benchmark
 compares this tree with an earlier revision's)."""
