@@ -4,6 +4,8 @@
 # version and CPU architecture as the GPU machine, from the checkout, after `make venv`:
 #
 #     bash tools/build_wheelhouse.sh [DIR]          # default: wheelhouse/ (git-ignored)
+#     TARGET_PYTHON=3.12 bash tools/build_wheelhouse.sh   # binary wheels for another CPython
+#                                                         # (the lent H100 has 3.12)
 #
 # and on the GPU machine, whose torch is already installed (copy DIR there, e.g. as a
 # device tool's carried folder: it stays under 64 MiB):
@@ -14,7 +16,8 @@
 #     python -m pip install --no-deps DIR/anchors/*.whl && python tools/gpu_bench.py
 #
 # The list is this venv's packages less torch and what torch brings (its CUDA/triton
-# companions, sympy, networkx, jinja2...), less what only the tests use, and less matplotlib
+# companions, sympy, networkx, jinja2...; typing_extensions is kept: the pins here may want a
+# newer one than the device's torch brought), less what only the tests use, and less matplotlib
 # and TensorBoard with their dependencies (~45 MB: the plotting tools need matplotlib; the
 # trainer runs without TensorBoard and says so). DeepSpeed comes from PyPI as source and is
 # built here into a pure-Python wheel (its CUDA ops compile just in time on the GPU machine,
@@ -28,15 +31,24 @@ mkdir -p "$dir"
 reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
 "$py" -m pip freeze --exclude-editable \
-    | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec|typing[-_]extensions)==' \
+    | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec)==' \
     | grep -viE '^(pytest|iniconfig|pluggy|ruff|hypothesis|sortedcontainers|transformers|tokenizers|huggingface[-_]hub|hf[-_]xet|deepspeed)==' \
     | grep -viE '^(matplotlib|pillow|fonttools|kiwisolver|contourpy|cycler|pyparsing|python[-_]dateutil|six)==' \
     | grep -viE '^(tensorboard|tensorboard[-_]data[-_]server|grpcio|protobuf|absl[-_]py|markdown|werkzeug)==' \
     > "$reqs"
-"$py" -m pip download --quiet --no-deps --only-binary=:all: -r "$reqs" -d "$dir"
+# Binary wheels for this interpreter, or for CPython $TARGET_PYTHON on x86-64 Linux: the same
+# pinned versions, the ABI of the machine that will install them.
+target=()
+if [ -n "${TARGET_PYTHON:-}" ]; then
+    abi="cp${TARGET_PYTHON/./}"
+    target=(--python-version "$TARGET_PYTHON" --implementation cp --abi "$abi" --abi abi3
+            --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+            --platform manylinux_2_28_x86_64 --platform linux_x86_64 --platform any)
+fi
+"$py" -m pip download --quiet --no-deps --only-binary=:all: "${target[@]}" -r "$reqs" -d "$dir"
 ds=$("$py" -c 'from importlib.metadata import version; print(version("deepspeed"))')
 DS_BUILD_OPS=0 "$py" -m pip wheel --quiet --no-deps --no-build-isolation "deepspeed==$ds" -w "$dir"
-"$py" -m pip download --quiet --no-deps --only-binary=:all: setuptools wheel -d "$dir"
+"$py" -m pip download --quiet --no-deps --only-binary=:all: "${target[@]}" setuptools wheel -d "$dir"
 # make gpu-bench's torchscale row (pure Python; installed with --no-deps: its timm pin needs
 # torchvision, and gpu_bench registers a stand-in timm): python -m pip install --no-deps DIR/anchors/*.whl
 "$py" -m pip download --quiet --no-deps --only-binary=:all: torchscale==0.3.0 -d "$dir/anchors"
