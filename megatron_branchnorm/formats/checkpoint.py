@@ -1,5 +1,8 @@
 """The checkpoint layout on disk, its one owner: tag names, ``latest``, the files of a tag,
-checksums, ``train_config.json``, RNG states, and reading a checkpoint's weights.
+checksums, resume's choice of tag, the check of a checkpoint before anything in it is read,
+the safe loading of its torch files, and RNG states. ``train_config.json``'s record is
+formats/train_config.py's; reading a checkpoint's weights and optimizer state is
+formats/checkpoint_state.py's (both build on the names here, never the other way round).
 
 A save writes ``SAVE_DIR/global_stepN/`` through DeepSpeed (every rank its own files), then
 each rank's RNG state, then (rank 0, after a barrier) ``train_config.json``, the tag's copy of
@@ -10,8 +13,9 @@ checksums is incomplete and never loaded.
 A checkpoint is not trusted code: ``latest`` and every tag are a ``global_stepN`` directory
 inside the save_dir (never a path or a link out of it), the manifest lists plain file names of
 its tag, and no file is unpickled beyond tensors, containers, numbers, strings and the few
-DeepSpeed types of :data:`ALLOWED_GLOBALS` (``torch.load(weights_only=True)`` here and in
-DeepSpeed's own load: megatron_branchnorm/training/checkpoint_engine.py).
+DeepSpeed types of :data:`ALLOWED_GLOBALS` (``torch.load(weights_only=True)`` here, in
+formats/checkpoint_state.py and in DeepSpeed's own load:
+megatron_branchnorm/training/checkpoint_engine.py).
 
 The files of a tag directory (DeepSpeed 0.19.8 names the first three):
 
@@ -20,12 +24,12 @@ The files of a tag directory (DeepSpeed 0.19.8 names the first three):
   never sorted as strings);
 - ``mp_rank_{stage:02d}_model_states.pt``: one stage's engine state;
 - ``[bf16_]zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt``: the optimizer state of one
-  (data-parallel rank, stage); with bf16, the fp32 master weights (:func:`read_master_weights`);
+  (data-parallel rank, stage); with bf16, the fp32 master weights
+  (``checkpoint_state.read_master_weights``);
 - ``rng_state_rank{rank:04d}.pt``, ``train_config.json``, ``spm.model``, ``checksums.json``:
   ours.
 
-This module imports no DeepSpeed: the one DeepSpeed object pickled in the files we read
-(``fragment_address``) is read into a stand-in (:class:`FragmentAddress`).
+This module imports no DeepSpeed: it names DeepSpeed's pickled types, never imports them.
 """
 
 from __future__ import annotations
@@ -37,11 +41,7 @@ import os
 import random
 import re
 import stat
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import (
@@ -54,9 +54,6 @@ from megatron_branchnorm.formats.files import (
     sha256_file,
 )
 
-if TYPE_CHECKING:  # torch is imported where tensors are read: the names above stay light
-    import torch
-
 MANIFEST = "checksums.json"
 LATEST = "latest"
 """``SAVE_DIR/latest``: the tag to resume from, moved only once a checkpoint is complete."""
@@ -66,7 +63,7 @@ TAG_PREFIX = "global_step"
 TRAIN_CONFIG = "train_config.json"
 """Our client state in every tag: step, samples, data position, the index -> module-name map
 (``spec_names``), the stage plan (``parts``), the resolved config, vocabulary, precision;
-read and written as a :class:`TrainConfigRecord`."""
+read and written as a ``TrainConfigRecord`` (formats/train_config.py)."""
 SPM_IN_CHECKPOINT = "spm.model"
 """The training SentencePiece model's copy in every checkpoint tag (checked against
 ``train_config.json``'s ``vocab.spm_sha256``)."""
@@ -107,7 +104,8 @@ types DeepSpeed 0.19.8 pickles into the files of an fp32, bf16 or fp16 ZeRO-1 ru
 bf16: found by loading real checkpoints, fp32 files need none; fp16, which does not run on a
 CPU: from its ZeRO optimizer's ``state_dict``). Every checkpoint read goes through this list:
 DeepSpeed's load (training/checkpoint_engine.py resolves the names) and ours (which read
-``fragment_address`` into :class:`FragmentAddress`, and no fp16 state)."""
+``fragment_address`` into formats/checkpoint_state.py's ``FragmentAddress``, and no fp16
+state)."""
 
 
 # ---- names -----------------------------------------------------------------------------------
@@ -462,537 +460,6 @@ def restore_rng_state(path: Path) -> None:
         set_rng_state(state)
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: not an RNG state: {one_line(exc, 200)}") from None
-
-
-# ---- train_config.json -----------------------------------------------------------------------
-#
-# The file's one schema: TrainConfigRecord. Outside formats/ it is read with read_train_record
-# and written with write_train_config(tag_dir, record); read_train_config is the raw JSON object
-# under it. A record lives here, beside CheckpointError, because read_checkpoint returns it and
-# the package's import graph has no circles (tests/core/test_architecture.py).
-
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-REQUIRED_KEYS = ("step", "samples", "sampler", "spec_names", "parts", "config")
-"""Keys every checkpoint of this trainer has (it always wrote them): checked when present,
-None in the record when absent; :meth:`TrainConfigRecord.need` names the file and key when a
-reader needs one that is missing."""
-OPTIONAL_KEYS = ("data_manifest_sha256", "precision", "data_parallel")
-"""Keys added after the first checkpoints (read with ``.get`` before the record): absent and
-null are both None, which each reader takes as "not recorded"."""
-
-
-@dataclass(frozen=True)
-class VocabRecord:
-    """``train_config.json``'s ``vocab`` object: the training SentencePiece model's sha256 (the
-    tag's ``spm.model`` copy is checked against it) and its vocabulary size."""
-
-    spm_sha256: str
-    vocab_size: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Keys this code does not know, kept as they were (written back by :meth:`to_json`)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.extra, "spm_sha256": self.spm_sha256, "vocab_size": self.vocab_size}
-
-
-@dataclass(frozen=True)
-class TrainConfigRecord:
-    """What a tag's ``train_config.json`` says, checked (docs/design.md §6, §17).
-
-    Every key the trainer writes is a field; a key absent from an older checkpoint reads as
-    None (:data:`REQUIRED_KEYS`, :data:`OPTIONAL_KEYS`), ``vocab`` as ``vocab_recorded=False``
-    and ``repartitioned`` as False, exactly the defaults of the readers before this record.
-    Keys this code does not know are kept in :attr:`extra` and written back, as the
-    checkpoint converter's rewrite always did. ``config`` and ``sampler`` are the JSON
-    objects as read (the config's own schema is config.py's): copy before changing them."""
-
-    step: int | None = None
-    """The number of updates applied."""
-    samples: int | None = None
-    """Samples trained on so far."""
-    sampler: dict[str, Any] | None = None
-    """The data stream's position (training/data.py ``TrainStream.state_dict``)."""
-    spec_names: dict[int, str] | None = None
-    """Layer-list index -> flat-model module name (docs/design.md §1)."""
-    parts: tuple[int, ...] | None = None
-    """The stage plan: ascending layer-list boundaries, one more than the stages."""
-    config: dict[str, Any] | None = None
-    """The resolved config (``ExperimentConfig.to_dict``): sections of keys."""
-    vocab: VocabRecord | None = None
-    """The training vocabulary; None: synthetic data (or not recorded, below)."""
-    vocab_recorded: bool = True
-    """False for a checkpoint from before vocabularies were recorded (no ``vocab`` key)."""
-    data_manifest_sha256: str | None = None
-    """sha256 of the DATA_DIR's manifest.json trained on; None: synthetic data, or older."""
-    precision: str | None = None
-    """``training/ds_config.precision_of``: precision and ZeRO stage; None: older."""
-    data_parallel: int | None = None
-    """Data-parallel size at the save; None: older (see :func:`saved_data_parallel`)."""
-    repartitioned: bool = False
-    """Re-laid by ``convert_checkpoint.py --repartition`` (its optimizer state stayed behind)."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Keys this code does not know, kept as they were (written back by :meth:`to_json`)."""
-    where: Path | None = field(default=None, compare=False)
-    """The file (or the copy of it) the record was read from: errors name it."""
-
-    @property
-    def path(self) -> Path:
-        return self.where if self.where is not None else Path(TRAIN_CONFIG)
-
-    def need(self, key: str) -> Any:
-        """The value of required key ``key`` (:data:`REQUIRED_KEYS`); CheckpointError naming
-        the file and key when the checkpoint does not have it."""
-        if key not in REQUIRED_KEYS:
-            raise ValueError(f"{key} is not a required key of {TRAIN_CONFIG}")
-        value = getattr(self, key)
-        if value is None:
-            what = "is missing or malformed" if key == "spec_names" else "is missing"
-            raise CheckpointError(f"{self.path}: key {key} {what}")
-        return value
-
-    def config_value(self, key: str) -> Any:
-        """``config.<section>.<name>`` for ``key`` ``"section.name"``; None when the config,
-        the section or the name is absent."""
-        section, _, name = key.partition(".")
-        values = (self.config or {}).get(section)
-        return values.get(name) if isinstance(values, Mapping) else None
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object of ``train_config.json`` (also the client state DeepSpeed keeps in
-        each engine file): the trainer's keys as it has always written them, then the rest."""
-        out: dict[str, Any] = dict(self.extra)
-        for key in REQUIRED_KEYS:  # absent in the record: absent in the file
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = list(value) if key == "parts" else value
-        if self.vocab_recorded:
-            out["vocab"] = None if self.vocab is None else self.vocab.to_json()
-        for key in OPTIONAL_KEYS:
-            out[key] = getattr(self, key)
-        if self.repartitioned:
-            out["repartitioned"] = True
-        return out
-
-    @classmethod
-    def from_json(
-        cls, data: Mapping[str, Any] | str | Path, where: Path | None = None
-    ) -> TrainConfigRecord:
-        """The record of a ``train_config.json`` file (a path) or of its JSON object (a
-        mapping: ``where`` is the file it came from, named in errors). CheckpointError in one
-        line naming the file and the key when a value is malformed."""
-        if isinstance(data, (str, Path)):
-            where = Path(data) if where is None else where
-            data = read_json_object(Path(data), CheckpointError)
-        where = Path(where) if where is not None else Path(TRAIN_CONFIG)
-
-        def check(key: str, ok: bool, what: str, value: object) -> None:
-            if not ok:
-                raise CheckpointError(f"{where}: key {key} must be {what}, got {quote(value)}")
-
-        def count(value: object, low: int = 0) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-        fields: dict[str, Any] = {}
-        if "step" in data:
-            check("step", count(data["step"]), "a non-negative integer", data["step"])
-            fields["step"] = data["step"]
-        if "samples" in data:
-            check("samples", count(data["samples"]), "a non-negative integer", data["samples"])
-            fields["samples"] = data["samples"]
-        if "sampler" in data:
-            check("sampler", isinstance(data["sampler"], Mapping), "an object", data["sampler"])
-            fields["sampler"] = data["sampler"]
-        if "spec_names" in data:
-            fields["spec_names"] = _parse_spec_names(data["spec_names"], where)
-        if "parts" in data:
-            parts = data["parts"]
-            ok = (
-                isinstance(parts, (list, tuple))
-                and len(parts) >= 2
-                and all(count(p) for p in parts)
-                and list(parts) == sorted(parts)
-            )
-            check("parts", ok, "a list of at least two ascending layer indices", parts)
-            fields["parts"] = tuple(parts)
-        if "config" in data:
-            config = data["config"]
-            check("config", isinstance(config, Mapping), "an object", config)
-            for name, values in config.items():
-                check(f"config.{name}", isinstance(values, Mapping), "an object", values)
-            fields["config"] = config
-        fields["vocab_recorded"] = "vocab" in data
-        if data.get("vocab") is not None:
-            fields["vocab"] = _parse_vocab(data["vocab"], where)
-        sha = data.get("data_manifest_sha256")
-        ok = sha is None or (isinstance(sha, str) and _SHA256_HEX.fullmatch(sha) is not None)
-        check("data_manifest_sha256", ok, "null or 64 hex digits", sha)
-        fields["data_manifest_sha256"] = sha
-        precision = data.get("precision")
-        check("precision", precision is None or isinstance(precision, str), "text", precision)
-        fields["precision"] = precision
-        dp = data.get("data_parallel")
-        check("data_parallel", dp is None or count(dp, 1), "a positive integer", dp)
-        fields["data_parallel"] = dp
-        relaid = data.get("repartitioned")
-        check("repartitioned", relaid is None or isinstance(relaid, bool), "true or false", relaid)
-        fields["repartitioned"] = bool(relaid)
-        known = {*REQUIRED_KEYS, *OPTIONAL_KEYS, "vocab", "repartitioned"}
-        extra = {k: v for k, v in data.items() if k not in known}
-        return cls(**fields, extra=MappingProxyType(extra), where=where)
-
-
-def _parse_spec_names(value: object, where: Path) -> dict[int, str]:
-    """``spec_names`` ({"0": "embedding", ...}) by int index; CheckpointError when malformed."""
-    try:
-        return {int(k): str(v) for k, v in value.items()}  # type: ignore[attr-defined]
-    except (AttributeError, TypeError, ValueError):
-        raise CheckpointError(f"{where}: key spec_names is missing or malformed") from None
-
-
-def _parse_vocab(value: object, where: Path) -> VocabRecord:
-    """A non-null ``vocab`` object; CheckpointError naming the file and key otherwise."""
-    sha = value.get("spm_sha256") if isinstance(value, Mapping) else None
-    if not isinstance(sha, str) or _SHA256_HEX.fullmatch(sha) is None:
-        raise CheckpointError(
-            f"{where}: key vocab must be null or hold spm_sha256 (64 hex digits), got "
-            f"{quote(value)}"
-        )
-    size = value.get("vocab_size")
-    is_count = isinstance(size, int) and not isinstance(size, bool) and size >= 1
-    if size is not None and not is_count:
-        raise CheckpointError(
-            f"{where}: key vocab.vocab_size must be a positive integer, got {quote(size)}"
-        )
-    extra = {k: v for k, v in value.items() if k not in ("spm_sha256", "vocab_size")}
-    return VocabRecord(sha, size, MappingProxyType(extra))
-
-
-def write_train_config(tag_dir: Path, info: TrainConfigRecord | Mapping[str, Any]) -> None:
-    """The tag's ``train_config.json`` (rank 0, before the checksums are written): a record's
-    :meth:`~TrainConfigRecord.to_json`, or a JSON object as it is."""
-    if isinstance(info, TrainConfigRecord):
-        info = info.to_json()
-    path = Path(tag_dir) / TRAIN_CONFIG
-    tmp = path.parent / f".{TRAIN_CONFIG}.tmp"
-    tmp.write_text(json.dumps(info, indent=1, sort_keys=True, default=str), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_train_config(tag_dir: Path) -> dict:
-    """A tag's ``train_config.json`` as a raw JSON object (the record's input: read it with
-    :func:`read_train_record`); CheckpointError naming the file when it is missing,
-    unreadable, not JSON or not an object."""
-    return read_json_object(Path(tag_dir) / TRAIN_CONFIG, CheckpointError)
-
-
-def read_train_record(tag_dir: Path) -> TrainConfigRecord:
-    """A tag's ``train_config.json``, checked (:meth:`TrainConfigRecord.from_json`)."""
-    return TrainConfigRecord.from_json(Path(tag_dir) / TRAIN_CONFIG)
-
-
-def saved_spec_names(tag_dir: Path, info: TrainConfigRecord | Mapping[str, Any]) -> dict[int, str]:
-    """The saved ``spec_names`` (layer-list index -> flat-model module name) of a tag's
-    ``train_config.json`` (its record, or its raw JSON object); CheckpointError naming the file
-    and key when missing or malformed."""
-    if isinstance(info, TrainConfigRecord):
-        return info.need("spec_names")
-    where = Path(tag_dir) / TRAIN_CONFIG
-    if not isinstance(info, Mapping) or "spec_names" not in info:
-        raise CheckpointError(f"{where}: key spec_names is missing or malformed")
-    return _parse_spec_names(info["spec_names"], where)
-
-
-# ---- reading a checkpoint's weights ----------------------------------------------------------
-
-FlatKey = Callable[[str, str], str]
-"""(module name of a layer-list entry, key in its layer file) -> the flat model's key:
-``partition.pipe_to_flat_key``."""
-
-
-def read_checkpoint(
-    tag_dir: Path, flat_key: FlatKey, verify: bool = True, indices: set[int] | None = None
-) -> tuple[TrainConfigRecord, dict[str, torch.Tensor]]:
-    """(``train_config.json``'s record, flat state dict in fp32) of one checkpoint directory,
-    verified against its checksums unless the caller already did (``verify=False``); with
-    ``indices``, only the layer files of those layer-list indices are read. Layer files are
-    read with ``torch.load(weights_only=True)``."""
-    tag_dir = Path(tag_dir)
-    if verify:
-        verify_checkpoint(tag_dir)
-    info = read_train_record(tag_dir)
-    names = info.need("spec_names")
-    state: dict[str, torch.Tensor] = {}
-    for idx, path in sorted(layer_files(tag_dir).items()):
-        if idx not in names:
-            raise CheckpointError(f"{path}: layer index {idx} is not in the saved layout")
-        if indices is not None and idx not in indices:
-            continue
-        for key, value in read_layer_file(path).items():
-            state[flat_key(names[idx], key)] = value.float()
-    return info, state
-
-
-def read_layer_file(path: Path) -> dict[str, torch.Tensor]:
-    """One layer file's state dict (``weights_only=True``); CheckpointError naming it."""
-    import torch
-
-    try:
-        layer = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-        raise CheckpointError(f"{path}: cannot read layer file: {one_line(exc)}") from None
-    if not isinstance(layer, dict):
-        raise CheckpointError(f"{path}: cannot read layer file: not a state dict")
-    return layer
-
-
-@dataclass
-class FragmentAddress:
-    """Stand-in for DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (a
-    dataclass of two ints), the one non-tensor object in a BF16 optimizer file: with it,
-    those files are read with ``weights_only=True`` and without importing DeepSpeed."""
-
-    numel: int
-    start: int
-
-
-FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
-"""DeepSpeed's qualified name of :class:`FragmentAddress`, as its pickles name it."""
-
-
-def load_optimizer_file(path: Path) -> dict:
-    """A DeepSpeed optimizer-state file read with ``weights_only=True``, its
-    ``fragment_address`` objects as :class:`FragmentAddress` (exceptions propagate)."""
-    import torch
-
-    with torch.serialization.safe_globals([(FragmentAddress, FRAGMENT_ADDRESS)]):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def bf16_optim_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
-    """{stage: {data-parallel rank: file}} of a tag's BF16 optimizer files ({}: none)."""
-    return optim_files(tag_dir, bf16_only=True)
-
-
-def optim_files(tag_dir: Path, bf16_only: bool = False) -> dict[int, dict[int, Path]]:
-    """{stage: {data-parallel rank: file}} of a tag's partitioned optimizer files (ZeRO or
-    BF16; {}: none, the optimizer state is in the engine files)."""
-    files: dict[int, dict[int, Path]] = {}
-    for path in Path(tag_dir).iterdir():
-        match = OPTIM_FILE.fullmatch(path.name)
-        if match and (match.group(1) or not bf16_only):
-            files.setdefault(int(match.group(3)), {})[int(match.group(2))] = path
-    return files
-
-
-def read_master_weights(tag_dir: Path, param_key: Callable[[str], str]) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of a bf16 checkpoint by ``param_key(engine parameter name)``
-    (1-D: the caller shapes them like the layer files' tensors; ``param_key`` raises KeyError
-    for a name it cannot place); {} when the checkpoint has none (fp32, fp16).
-
-    Each stage's parameters are flattened and split over its data-parallel ranks in rank
-    order; ``param_slice_mappings`` says where each parameter's piece lies in a rank's
-    partition, so a parameter is the concatenation of its pieces over the ranks. The tied
-    embedding is held by the first and the last stage with the same values: the first
-    stage's copy is taken.
-    """
-    import torch
-
-    files = bf16_optim_files(tag_dir)
-    state: dict[str, torch.Tensor] = {}
-    for stage in sorted(files):
-        pieces: dict[str, list[torch.Tensor]] = {}
-        for dp in sorted(files[stage]):
-            path = files[stage][dp]
-            try:
-                opt = load_optimizer_file(path)["optimizer_state_dict"]
-                groups = zip(
-                    opt["single_partition_of_fp32_groups"], opt["param_slice_mappings"], strict=True
-                )
-                for flat, mapping in groups:
-                    for name, addr in mapping.items():
-                        pieces.setdefault(name, []).append(flat.narrow(0, addr.start, addr.numel))
-            except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-                raise CheckpointError(
-                    f"{path}: cannot read bf16 master weights: {one_line(exc)}"
-                ) from None
-        first = files[stage][min(files[stage])]
-        for name, parts in pieces.items():
-            try:
-                key = param_key(name)
-            except KeyError:
-                idx = name.split(".", 1)[0]
-                raise CheckpointError(f"{first}: layer {idx} is not in the layout") from None
-            state.setdefault(key, torch.cat(parts))
-    return state
-
-
-# ---- reading a checkpoint's optimizer state, per parameter ------------------------------------
-
-OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
-"""Our key in each stage's engine file (DeepSpeed's client state): the engine's parameter names
-in the order of the fp32 optimizer's param groups (torch keys its state by that position). The
-BF16 optimizer's files name their parameters themselves (``param_slice_mappings``)."""
-
-ADAM_STATE = ("exp_avg", "exp_avg_sq")
-
-
-class LayoutError(CheckpointError):
-    """A checkpoint whose optimizer state cannot be re-laid out (the message says why)."""
-
-
-def read_optimizer_state(
-    tag_dir: Path,
-    param_key: Callable[[str], str],
-    stages: set[int] | None = None,
-    keys: set[str] | None = None,
-) -> dict[str, dict[str, torch.Tensor]] | None:
-    """The training state of a checkpoint per parameter, whatever its stage and data-parallel
-    layout: ``{param_key(engine name): {"step", "exp_avg", "exp_avg_sq"[, "master"]}}``, each
-    tensor 1-D (``step`` 0-dim), fp32, on the CPU. ``master`` (the fp32 master weights) is there
-    for a bf16 checkpoint only: an fp32 run's weights are its layer files.
-
-    Only the files of ``stages`` (of the saved layout; None: all) are read, and only the
-    parameters whose key is in ``keys`` (None: all) are assembled. A parameter held by
-    two stages (the tied embedding, first and last) has the same state on both: the lowest
-    stage's copy is taken. None when the checkpoint holds no such state: an fp32 run saved
-    before :data:`OPTIMIZER_PARAM_NAMES`, or a checkpoint re-laid by ``convert_checkpoint.py
-    --repartition`` (weights only); :class:`LayoutError` for fp16's ZeRO state, which is not
-    read.
-    """
-
-    tag_dir = Path(tag_dir)
-    partitioned = optim_files(tag_dir)
-    if partitioned and not bf16_optim_files(tag_dir):
-        raise LayoutError(
-            f"{tag_dir}: fp16 ZeRO optimizer state is not re-laid out; resume it at its saved "
-            "layout, or in bf16 or fp32"
-        )
-    by_stage: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    if partitioned:
-        for stage, files in sorted(partitioned.items()):
-            if stages is None or stage in stages:
-                by_stage[stage] = _read_bf16_stage(files, param_key, keys)
-    else:
-        for path in sorted(Path(tag_dir).iterdir()):
-            match = ENGINE_FILE.fullmatch(path.name)
-            if match and (stages is None or int(match.group(1)) in stages):
-                found = _read_fp32_stage(path, param_key, keys)
-                if found is None:
-                    return None
-                by_stage[int(match.group(1))] = found
-    if not by_stage:  # no optimizer files (a checkpoint re-laid by convert --repartition)
-        return None
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for stage in sorted(by_stage):
-        for key, value in by_stage[stage].items():
-            state.setdefault(key, value)
-    return state
-
-
-def _placed(name: str, path: Path, param_key: Callable[[str], str]) -> str:
-    try:
-        return param_key(name)
-    except KeyError:
-        raise CheckpointError(f"{path}: parameter {name} is not in the layout") from None
-
-
-def _read_bf16_stage(
-    files: dict[int, Path], param_key, keys: set[str] | None
-) -> dict[str, dict[str, torch.Tensor]]:
-    """One stage's BF16 optimizer files (one per data-parallel rank, in rank order): each holds
-    a flat fp32 partition per param group, Adam's moments over the same partition, and where
-    each parameter's piece lies in it; a parameter is its pieces concatenated over the ranks."""
-    import torch
-
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-    steps: dict[str, torch.Tensor] = {}
-    for dp in sorted(files):
-        path = files[dp]
-        try:
-            opt = load_optimizer_file(path)["optimizer_state_dict"]
-            base = opt["base_optimizer_state"]
-            groups = zip(
-                opt["single_partition_of_fp32_groups"],
-                opt["param_slice_mappings"],
-                base["param_groups"],
-                strict=True,
-            )
-            for flat, mapping, group in groups:
-                adam = base["state"].get(group["params"][0])
-                if adam is None:  # saved before the first update: no moments yet
-                    continue
-                sources = {"master": flat, **{k: adam[k] for k in ADAM_STATE}}
-                for name, addr in mapping.items():
-                    key = _placed(name, path, param_key)
-                    if keys is not None and key not in keys:
-                        continue
-                    into = pieces.setdefault(key, {k: [] for k in sources})
-                    for k, src in sources.items():
-                        into[k].append(src.narrow(0, addr.start, addr.numel))
-                    steps[key] = adam["step"]
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-            raise CheckpointError(
-                f"{path}: cannot read bf16 optimizer state: {one_line(exc)}"
-            ) from None
-    return {
-        key: {
-            "step": steps[key].float().clone(),
-            **{k: torch.cat(v).float() for k, v in parts.items()},
-        }
-        for key, parts in pieces.items()
-    }
-
-
-def _read_fp32_stage(
-    path: Path, param_key, keys: set[str] | None
-) -> dict[str, dict[str, torch.Tensor]] | None:
-    """One stage's engine file of an fp32 run: torch's optimizer state keyed by position,
-    named by :data:`OPTIMIZER_PARAM_NAMES` (None when the file predates it)."""
-    import torch
-
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        names = saved.get(OPTIMIZER_PARAM_NAMES)
-        if names is None:
-            return None
-        opt = saved["optimizer"]
-        out = {}
-        for group, group_names in zip(opt["param_groups"], names, strict=True):
-            for index, name in zip(group["params"], group_names, strict=True):
-                adam = opt["state"].get(index)
-                key = _placed(name, path, param_key)
-                if adam is not None and (keys is None or key in keys):  # none before update 1
-                    out[key] = {
-                        "step": adam["step"].float().clone(),
-                        **{k: adam[k].float().flatten() for k in ADAM_STATE},
-                    }
-        return out
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets its name
-        raise CheckpointError(f"{path}: cannot read optimizer state: {one_line(exc)}") from None
-
-
-def saved_data_parallel(tag_dir: Path, info: TrainConfigRecord) -> int | None:
-    """The data-parallel size a checkpoint was trained at: ``train_config.json``'s
-    ``data_parallel``, or for older checkpoints its RNG files (one per rank) over its stages;
-    None when neither says."""
-    if info.data_parallel is not None:
-        return info.data_parallel
-    if info.parts is None:
-        return None
-    stages = len(info.parts) - 1
-    ranks = sum(1 for p in Path(tag_dir).glob("rng_state_rank*.pt"))
-    return ranks // stages if stages >= 1 and ranks and ranks % stages == 0 else None
-
-
-def saved_micro_batches(info: TrainConfigRecord) -> int | None:
-    """``train.micro_batches`` (per data-parallel rank) of the run that saved a checkpoint."""
-    value = info.config_value("train.micro_batches")
-    return value if isinstance(value, int) and value >= 1 else None
 
 
 def seed_rng(seed: int, step: int, rank: int) -> None:

@@ -28,6 +28,7 @@ import torch
 from megatron_branchnorm.config import ConfigError, config_from_dict
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint_state, train_config
 from megatron_branchnorm.formats.checkpoint import SPM_IN_CHECKPOINT, TRAIN_CONFIG
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataManifest, read_data_manifest
 from megatron_branchnorm.formats.files import one_line, quote
@@ -118,7 +119,7 @@ def dataset_of(tag_dir: Path) -> str | None:
     """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
     config cannot be read: the caller reports that when it loads the checkpoint)."""
     try:
-        data = ckpt.read_train_record(tag_dir).config_value("data.dataset")
+        data = train_config.read_train_record(tag_dir).config_value("data.dataset")
     except ckpt.CheckpointError:
         return None
     return data if isinstance(data, str) and data and data != "synthetic" else None
@@ -132,7 +133,7 @@ def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
     data (no text to translate) and for a checkpoint that recorded no manifest (older ones:
     nothing to check the DATA_DIR against)."""
     data = dataset_of(tag_dir)
-    recorded = ckpt.read_train_record(tag_dir).data_manifest_sha256
+    recorded = train_config.read_train_record(tag_dir).data_manifest_sha256
     if data is None or recorded is None:
         return None, None
     unknown = "the export records no trained directions (translate refuses only a language "
@@ -153,16 +154,21 @@ def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
 
 def read_checkpoint(
     tag_dir: Path, verify: bool = True, indices: set[int] | None = None
-) -> tuple[ckpt.TrainConfigRecord, dict[str, torch.Tensor]]:
+) -> tuple[train_config.TrainConfigRecord, dict[str, torch.Tensor]]:
     """(``train_config.json``'s record, flat state dict) of one checkpoint directory
-    (:func:`megatron_branchnorm.formats.checkpoint.read_checkpoint` with the flat model's keys)."""
-    return ckpt.read_checkpoint(tag_dir, pipe_to_flat_key, verify=verify, indices=indices)
+    (:func:`megatron_branchnorm.formats.checkpoint_state.read_checkpoint` with the flat model's
+    keys)."""
+    return checkpoint_state.read_checkpoint(
+        tag_dir, pipe_to_flat_key, verify=verify, indices=indices
+    )
 
 
 def read_master_weights(tag_dir: Path, names: dict[int, str]) -> dict[str, torch.Tensor]:
     """The fp32 master weights of a bf16 checkpoint by the flat model's keys; {} when it has
-    none (:func:`megatron_branchnorm.formats.checkpoint.read_master_weights`)."""
-    return ckpt.read_master_weights(tag_dir, lambda name: engine_param_to_flat_key(name, names))
+    none (:func:`megatron_branchnorm.formats.checkpoint_state.read_master_weights`)."""
+    return checkpoint_state.read_master_weights(
+        tag_dir, lambda name: engine_param_to_flat_key(name, names)
+    )
 
 
 def _apply_master_weights(
@@ -307,7 +313,7 @@ def checkpoint_vocabulary(save_dir: str | Path, tags: list[str]) -> Vocabulary:
     (no ``vocab`` key) falls back to DATA_DIR's model, which cannot be checked: a warning
     says so. ``vocab: null`` is synthetic data (no vocabulary)."""
     save_dir = Path(save_dir)
-    infos = {t: ckpt.read_train_record(save_dir / t) for t in tags}  # vocab checked there
+    infos = {t: train_config.read_train_record(save_dir / t) for t in tags}  # vocab checked there
     records = {t: i.vocab for t, i in infos.items() if i.vocab_recorded}
     seen: dict[str | None, str] = {}
     for t, vocab in records.items():
@@ -398,7 +404,7 @@ def _short(sha: str | None) -> str:
     return "none (synthetic data)" if sha is None else f"{sha[:12]}..."
 
 
-def _model_vocab_size(info: ckpt.TrainConfigRecord) -> int | None:
+def _model_vocab_size(info: train_config.TrainConfigRecord) -> int | None:
     value = info.config_value("model.vocab_size")
     return value if isinstance(value, int) else None
 
@@ -458,7 +464,7 @@ def repartition_checkpoint(
             if path.name == SPM_IN_CHECKPOINT or (idx is not None and not master):
                 shutil.copyfile(path, tmp / tag / path.name)
             elif idx is not None:  # the layer file with its fp32 master weights
-                layer = ckpt.read_layer_file(path)
+                layer = checkpoint_state.read_layer_file(path)
                 for key, value in layer.items():
                     exact = master[pipe_to_flat_key(names[idx], key)]
                     layer[key] = exact.view(value.shape).clone()
@@ -472,7 +478,7 @@ def repartition_checkpoint(
             config=config,
             where=tmp / tag / TRAIN_CONFIG,
         )
-        ckpt.write_train_config(tmp / tag, relaid)
+        train_config.write_train_config(tmp / tag, relaid)
         ckpt.write_manifest(tmp / tag, relaid.need("step"))
         ckpt.write_latest(tmp, tag)
         (tmp / TEMP_MARKER).unlink()

@@ -47,6 +47,7 @@ from typing import Any
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import train_config
 from megatron_branchnorm.formats.files import one_line
 from megatron_branchnorm.formats.records import (
     BLEU_FILE,
@@ -102,7 +103,7 @@ def checkpoint_data(save_dir: Path, tag: str, opts: WatchOptions) -> str:
     ``data.dataset``."""
     if opts.data:
         return opts.data
-    data = ckpt.read_train_record(save_dir / tag).config_value("data.dataset")
+    data = train_config.read_train_record(save_dir / tag).config_value("data.dataset")
     if not isinstance(data, str) or not data or data == "synthetic":
         raise ConvertError(f"{save_dir / tag}: trained on synthetic data: no text to translate")
     return data
@@ -172,7 +173,7 @@ def run_finished(save_dir: Path) -> bool:
     complete, _ = ckpt.checkpoint_tags(save_dir)
     if not complete:
         return False
-    record = ckpt.read_train_record(save_dir / complete[-1])
+    record = train_config.read_train_record(save_dir / complete[-1])
     return ckpt.tag_step(complete[-1]) == record.config_value("train.max_steps")
 
 

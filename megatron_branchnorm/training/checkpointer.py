@@ -17,6 +17,7 @@ import torch
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint_state, train_config
 from megatron_branchnorm.formats.files import one_line
 from megatron_branchnorm.formats.outputs import describe_os_error
 from megatron_branchnorm.parallel.partition import (
@@ -120,7 +121,7 @@ class Checkpointer:
         )
         tag = ckpt.tag_for(step)
         tag_dir = self.save_dir / tag
-        record = ckpt.TrainConfigRecord(
+        record = train_config.TrainConfigRecord(
             step=step,
             samples=samples,
             sampler=sampler,
@@ -129,7 +130,7 @@ class Checkpointer:
             config=self.cfg.to_dict(),
             vocab=None
             if self.vocab is None
-            else ckpt.VocabRecord(self.vocab["spm_sha256"], self.vocab["vocab_size"]),
+            else train_config.VocabRecord(self.vocab["spm_sha256"], self.vocab["vocab_size"]),
             data_manifest_sha256=self.data_manifest_sha256,
             precision=precision_of(self.ds_config),
             data_parallel=self.dp,
@@ -148,7 +149,7 @@ class Checkpointer:
         self.log(f"saved checkpoint {tag_dir} in {time.time() - t0:.1f}s")
         self._retain()
 
-    def _save(self, tag_dir: Path, record: ckpt.TrainConfigRecord) -> None:
+    def _save(self, tag_dir: Path, record: train_config.TrainConfigRecord) -> None:
         """The files of one save, then (rank 0) its manifest and ``latest``. DeepSpeed keeps
         the record's JSON object as each engine file's client state too."""
         step, tag = record.need("step"), tag_dir.name
@@ -161,7 +162,9 @@ class Checkpointer:
         self.engine.save_checkpoint(
             str(self.save_dir),
             tag=tag,
-            client_state={**client, ckpt.OPTIMIZER_PARAM_NAMES: names} if names else client,
+            client_state={**client, checkpoint_state.OPTIMIZER_PARAM_NAMES: names}
+            if names
+            else client,
             save_latest=False,
         )
         if self.save_error is None:
@@ -176,7 +179,7 @@ class Checkpointer:
             try:
                 if self.vocab is not None:
                     shutil.copyfile(self.vocab["path"], tag_dir / ckpt.SPM_IN_CHECKPOINT)
-                ckpt.write_train_config(tag_dir, record)
+                train_config.write_train_config(tag_dir, record)
                 ckpt.write_manifest(tag_dir, step)
                 ckpt.write_latest(self.save_dir, tag)
             except OSError as exc:
@@ -261,11 +264,11 @@ class Checkpointer:
             return
         tag_dir = self.save_dir / tag
         ckpt.verify_checkpoint(tag_dir)
-        saved = ckpt.read_train_record(tag_dir)
+        saved = train_config.read_train_record(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)
         self._check_precision(tag_dir, saved.precision)
-        partitions = {len(by_dp) for by_dp in ckpt.optim_files(tag_dir).values()}
+        partitions = {len(by_dp) for by_dp in checkpoint_state.optim_files(tag_dir).values()}
         if (
             list(saved.need("parts")) != list(self.parts)
             or saved.repartitioned
@@ -277,7 +280,7 @@ class Checkpointer:
         if load_path is None:
             raise ckpt.CheckpointError(f"{tag_dir}: DeepSpeed could not load the checkpoint")
         # DeepSpeed's copy of the record (the client state of this stage's engine file)
-        loaded = ckpt.TrainConfigRecord.from_json(
+        loaded = train_config.TrainConfigRecord.from_json(
             client, tag_dir / ckpt.engine_file(self.engine.stage_id)
         )
         self.state.step = loaded.need("step")
@@ -306,7 +309,7 @@ class Checkpointer:
                 "checkpoint's precision and ZeRO stage"
             )
 
-    def _check_resume_config(self, tag_dir: Path, saved: ckpt.TrainConfigRecord) -> dict:
+    def _check_resume_config(self, tag_dir: Path, saved: train_config.TrainConfigRecord) -> dict:
         """The checks a resume makes against the checkpoint: first the vocabulary (the data's
         SentencePiece model must be the one the checkpoint was trained with: its sha256 in
         ``train_config.json``), then the config, key by key (module resume_policy: a fixed
@@ -351,7 +354,7 @@ class Checkpointer:
             group["weight_decay"] = t.weight_decay
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
-    def _resume_other_layout(self, tag_dir: Path, saved: ckpt.TrainConfigRecord) -> None:
+    def _resume_other_layout(self, tag_dir: Path, saved: train_config.TrainConfigRecord) -> None:
         """Resume a checkpoint written in another layout (stage count, split or data-parallel
         size) with the whole training state (docs/design.md §17): weights layer by layer
         (layer files are named by their index in the layer list, not by stage); fp32 master
@@ -368,7 +371,7 @@ class Checkpointer:
         mine = {int(k.split(".", 1)[0]) for k in params if k[0].isdigit()}
         tied = len(self.module.tied_modules) > 0
         entries = set(range(self.parts[stage], self.parts[stage + 1])) | ({0} if tied else set())
-        _, flat = ckpt.read_checkpoint(  # resume verified it
+        _, flat = checkpoint_state.read_checkpoint(  # resume verified it
             tag_dir, pipe_to_flat_key, verify=False, indices=entries
         )
         state = {}
@@ -380,7 +383,7 @@ class Checkpointer:
         self.module.load_state_dict(state, strict=True)
         old_parts = list(saved.need("parts"))
         old_stages = {_stage_of(old_parts, idx) for idx in mine} | ({0} if tied else set())
-        optim = ckpt.read_optimizer_state(
+        optim = checkpoint_state.read_optimizer_state(
             tag_dir,
             lambda name: engine_param_to_flat_key(name, names),
             old_stages,
@@ -396,9 +399,8 @@ class Checkpointer:
         self.engine.global_samples = self.state.samples
         self._apply_optimizer_config()
         ckpt.seed_rng(self.cfg.train.seed, self.state.step, self.rank)
-        old = (
-            f"{len(old_parts) - 1} stages {old_parts} x {ckpt.saved_data_parallel(tag_dir, saved)}"
-        )
+        old_dp = train_config.saved_data_parallel(tag_dir, saved)
+        old = f"{len(old_parts) - 1} stages {old_parts} x {old_dp}"
         new = f"{len(self.parts) - 1} stages {self.parts} x {self.dp}"
         if optim is None:
             self.log(
@@ -417,8 +419,8 @@ class Checkpointer:
     def _place_optimizer_state(
         self, tag_dir: Path, full: dict[str, dict[str, torch.Tensor]], names: dict[int, str]
     ) -> None:
-        """Put the per-parameter state ``full`` (formats.checkpoint.read_optimizer_state) into
-        this rank's optimizer: torch's AdamW in fp32 (its state by position), or DeepSpeed's
+        """Put the per-parameter state ``full`` (formats.checkpoint_state.read_optimizer_state)
+        into this rank's optimizer: torch's AdamW in fp32 (its state by position), or DeepSpeed's
         BF16 optimizer, whose flat fp32 partition on this data-parallel rank holds a fragment of
         each parameter (the fragment addresses DeepSpeed links to each parameter,
         ``_hp_mapping``); its bf16 weights are then refreshed from the masters."""
@@ -438,20 +440,20 @@ class Checkpointer:
                 src = entry(by_id[id(p)])
                 sd["state"][i] = {
                     "step": src["step"].clone(),
-                    **{k: src[k].view_as(p) for k in ckpt.ADAM_STATE},
+                    **{k: src[k].view_as(p) for k in checkpoint_state.ADAM_STATE},
                 }
             self.optimizer.load_state_dict(sd)
             return
         bf16 = self.engine.optimizer
         if not hasattr(bf16, "fp32_groups_flat_partition"):
-            raise ckpt.LayoutError(
+            raise checkpoint_state.LayoutError(
                 f"{tag_dir}: this run's optimizer ({type(bf16).__name__}) is not re-laid out; "
                 "resume at the checkpoint's layout"
             )
         base = bf16.optimizer
         sd = base.state_dict()
         for i, hp in enumerate(bf16.fp32_groups_flat_partition):
-            moments = {k: torch.zeros_like(hp) for k in ckpt.ADAM_STATE}
+            moments = {k: torch.zeros_like(hp) for k in checkpoint_state.ADAM_STATE}
             step = None
             for lp in bf16.bf16_groups[i]:
                 mapping = lp._hp_mapping
@@ -459,7 +461,10 @@ class Checkpointer:
                     continue
                 src = entry(bf16.param_names[lp])
                 lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
-                for dst, key in ((hp.data, "master"), *((moments[k], k) for k in ckpt.ADAM_STATE)):
+                for dst, key in (
+                    (hp.data, "master"),
+                    *((moments[k], k) for k in checkpoint_state.ADAM_STATE),
+                ):
                     piece = src[key].narrow(0, lp_at.start, lp_at.numel)
                     dst.narrow(0, hp_at.start, hp_at.numel).copy_(piece)
                 step = src["step"]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import train_config
 from megatron_branchnorm.parallel.partition import spec_entries
 from megatron_branchnorm.parallel.planner import plan_run, stage_counts
 
@@ -48,9 +49,9 @@ def saved_batch(save_dir: Path) -> SavedBatch | None:
     tag, _ = ckpt.resume_tag(save_dir)
     if tag is None:
         return None
-    info = ckpt.read_train_record(save_dir / tag)
-    micro = ckpt.saved_micro_batches(info)
-    dp = ckpt.saved_data_parallel(save_dir / tag, info)
+    info = train_config.read_train_record(save_dir / tag)
+    micro = train_config.saved_micro_batches(info)
+    dp = train_config.saved_data_parallel(save_dir / tag, info)
     return SavedBatch(micro, dp) if micro is not None and dp is not None else None
 
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.formats import data_dir, records
+from megatron_branchnorm.formats import checkpoint_state, data_dir, records, train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,10 +86,10 @@ def test_layer_files_and_tags_by_parsed_index(tmp_path):
 
 def test_train_config_round_trip(tmp_path):
     info = {"step": 4, "spec_names": {"0": "embedding", "1": "encoder_layers.0"}, "p": Path("x")}
-    ckpt.write_train_config(tmp_path, info)
-    back = ckpt.read_train_config(tmp_path)
+    train_config.write_train_config(tmp_path, info)
+    back = train_config.read_train_config(tmp_path)
     assert back == {**info, "p": "x"}  # default=str: a Path is written as text
-    assert ckpt.saved_spec_names(tmp_path, back) == {0: "embedding", 1: "encoder_layers.0"}
+    assert train_config.saved_spec_names(tmp_path, back) == {0: "embedding", 1: "encoder_layers.0"}
     assert not list(tmp_path.glob(".*"))  # no temporary file left
 
 
@@ -106,7 +106,7 @@ def test_damaged_train_config_is_one_line_naming_it(tmp_path, content, why):
     if content is not None:
         (tmp_path / ckpt.TRAIN_CONFIG).write_bytes(content)
     with pytest.raises(ckpt.CheckpointError) as info:
-        ckpt.read_train_config(tmp_path)
+        train_config.read_train_config(tmp_path)
     msg = str(info.value)
     assert isinstance(info.value, UserError) and "\n" not in msg
     assert msg.startswith(f"{tmp_path / ckpt.TRAIN_CONFIG}: ") and why in msg
@@ -114,7 +114,7 @@ def test_damaged_train_config_is_one_line_naming_it(tmp_path, content, why):
 
 def test_malformed_spec_names_named(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="train_config.json: key spec_names"):
-        ckpt.saved_spec_names(tmp_path, {"spec_names": {"zero": "embedding"}})
+        train_config.saved_spec_names(tmp_path, {"spec_names": {"zero": "embedding"}})
 
 
 # ---- the DATA_DIR manifest -------------------------------------------------------------------
@@ -257,11 +257,11 @@ def test_fragment_address_stand_in(tmp_path):
     subprocess.run([sys.executable, "-c", SAVE_WITH_DEEPSPEED, str(path)], check=True, timeout=300)
     with pytest.raises(Exception, match="fragment_address"):  # refused without the stand-in
         torch.load(path, map_location="cpu", weights_only=True)
-    saved = ckpt.load_optimizer_file(path)
+    saved = checkpoint_state.load_optimizer_file(path)
     mapping = saved["optimizer_state_dict"]["param_slice_mappings"][0]
-    assert isinstance(mapping["1.w"], ckpt.FragmentAddress)
+    assert isinstance(mapping["1.w"], checkpoint_state.FragmentAddress)
     assert (mapping["1.w"].start, mapping["1.w"].numel) == (2, 4)
-    master = ckpt.read_master_weights(tmp_path, lambda name: f"flat.{name}")
+    master = checkpoint_state.read_master_weights(tmp_path, lambda name: f"flat.{name}")
     assert master["flat.1.w"].tolist() == [2.0, 3.0, 4.0, 5.0]
     assert master["flat.tied_modules.embed.embedding.weight"].tolist() == [6.0, 7.0, 8.0]
 
@@ -269,7 +269,8 @@ def test_fragment_address_stand_in(tmp_path):
 def test_formats_import_no_deepspeed():
     code = (
         "import sys, megatron_branchnorm.formats.checkpoint, megatron_branchnorm.formats.records, "
-        "megatron_branchnorm.formats.data_dir; print('deepspeed' in sys.modules)"
+        "megatron_branchnorm.formats.data_dir, megatron_branchnorm.formats.train_config, "
+        "megatron_branchnorm.formats.checkpoint_state; print('deepspeed' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True

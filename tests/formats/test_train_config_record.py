@@ -1,4 +1,4 @@
-"""``train_config.json``'s typed record (formats/checkpoint.py ``TrainConfigRecord``): a real
+"""``train_config.json``'s typed record (formats/train_config.py ``TrainConfigRecord``): a real
 checkpoint's record round-trips byte for byte and resumes the trainer, an older checkpoint
 without the later keys reads with the defaults its readers always had, unknown keys are kept,
 and a malformed value is one line naming the file and the key. Nothing outside formats/ reads
@@ -14,6 +14,7 @@ import pytest
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint_state, train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32
@@ -72,7 +73,7 @@ def real_run(tmp_path_factory) -> dict:
 def test_a_real_checkpoints_record_round_trips(real_run, tmp_path):
     tag_dir = real_run["tag_dir"]
     path = tag_dir / ckpt.TRAIN_CONFIG
-    record = ckpt.read_train_record(tag_dir)
+    record = train_config.read_train_record(tag_dir)
     raw = json.loads(path.read_text())
     assert record.where == path
     assert (record.step, record.data_parallel, record.repartitioned) == (2, 1, False)
@@ -82,22 +83,24 @@ def test_a_real_checkpoints_record_round_trips(real_run, tmp_path):
     assert record.data_manifest_sha256 is None and record.precision.startswith("fp32")
     assert record.config_value("train.max_steps") == 2 and record.config == raw["config"]
     assert record.extra == {}
-    assert ckpt.saved_data_parallel(tag_dir, record) == 1
-    assert ckpt.saved_micro_batches(record) == 2
-    assert ckpt.saved_spec_names(tag_dir, record) == ckpt.saved_spec_names(tag_dir, raw)
+    assert train_config.saved_data_parallel(tag_dir, record) == 1
+    assert train_config.saved_micro_batches(record) == 2
+    assert train_config.saved_spec_names(tag_dir, record) == train_config.saved_spec_names(
+        tag_dir, raw
+    )
     # the JSON object, the record from it, and the file written from the record are the same
     assert json.loads(json.dumps(record.to_json())) == raw
-    assert ckpt.TrainConfigRecord.from_json(raw, path) == record
-    assert ckpt.TrainConfigRecord.from_json(path) == record
-    ckpt.write_train_config(tmp_path, record)
+    assert train_config.TrainConfigRecord.from_json(raw, path) == record
+    assert train_config.TrainConfigRecord.from_json(path) == record
+    train_config.write_train_config(tmp_path, record)
     assert (tmp_path / ckpt.TRAIN_CONFIG).read_bytes() == path.read_bytes()
     # read_checkpoint hands the same record with the weights
-    info, state = ckpt.read_checkpoint(tag_dir, lambda name, key: f"{name}.{key}")
+    info, state = checkpoint_state.read_checkpoint(tag_dir, lambda name, key: f"{name}.{key}")
     assert info == record and state
 
 
 def test_a_resume_takes_the_records_position(real_run):
-    record = ckpt.read_train_record(real_run["tag_dir"])
+    record = train_config.read_train_record(real_run["tag_dir"])
     assert real_run["resumed"] == {
         "from": "global_step2",
         "step": record.step,
@@ -130,8 +133,8 @@ def _current(**changes) -> dict:
 
 def test_an_older_checkpoint_reads_with_the_old_defaults(tmp_path):
     old = _current(vocab=..., data_manifest_sha256=..., precision=..., data_parallel=...)
-    ckpt.write_train_config(tmp_path, old)
-    record = ckpt.read_train_record(tmp_path)
+    train_config.write_train_config(tmp_path, old)
+    record = train_config.read_train_record(tmp_path)
     assert not record.vocab_recorded and record.vocab is None  # "predates vocabulary checks"
     assert (record.data_manifest_sha256, record.precision, record.data_parallel) == (None,) * 3
     assert record.repartitioned is False
@@ -143,16 +146,16 @@ def test_an_older_checkpoint_reads_with_the_old_defaults(tmp_path):
         "data_parallel": None,
     }
     # the data-parallel size of a checkpoint that did not record it: its RNG files per stage
-    assert ckpt.saved_data_parallel(tmp_path, record) is None
+    assert train_config.saved_data_parallel(tmp_path, record) is None
     for rank in range(4):
         ckpt.rng_file(tmp_path, rank).write_bytes(b"")
-    assert ckpt.saved_data_parallel(tmp_path, record) == 2
-    assert ckpt.saved_micro_batches(record) == 3
+    assert train_config.saved_data_parallel(tmp_path, record) == 2
+    assert train_config.saved_micro_batches(record) == 3
 
 
 def test_null_later_keys_read_as_absent_and_vocab_null_is_synthetic(tmp_path):
     info = _current(vocab=None, data_manifest_sha256=None, precision=None, data_parallel=None)
-    record = ckpt.TrainConfigRecord.from_json(info, tmp_path / ckpt.TRAIN_CONFIG)
+    record = train_config.TrainConfigRecord.from_json(info, tmp_path / ckpt.TRAIN_CONFIG)
     assert record.vocab_recorded and record.vocab is None
     assert (record.data_manifest_sha256, record.precision, record.data_parallel) == (None,) * 3
     assert json.loads(json.dumps(record.to_json())) == info
@@ -161,12 +164,12 @@ def test_null_later_keys_read_as_absent_and_vocab_null_is_synthetic(tmp_path):
 def test_a_partial_record_loads_and_names_a_key_only_when_needed(tmp_path):
     """What a reader of a few keys gets (inference/convert.trained_directions reads only the
     config and the manifest's sha256): the missing keys are None until one is needed."""
-    ckpt.write_train_config(tmp_path, {"config": {"data": {"dataset": "d"}}})
-    record = ckpt.read_train_record(tmp_path)
+    train_config.write_train_config(tmp_path, {"config": {"data": {"dataset": "d"}}})
+    record = train_config.read_train_record(tmp_path)
     assert record.config_value("data.dataset") == "d"
     assert record.config_value("train.max_steps") is None and record.step is None
-    assert ckpt.saved_data_parallel(tmp_path, record) is None
-    assert ckpt.saved_micro_batches(record) is None
+    assert train_config.saved_data_parallel(tmp_path, record) is None
+    assert train_config.saved_micro_batches(record) is None
     for key, what in (("step", "is missing"), ("spec_names", "is missing or malformed")):
         with pytest.raises(ckpt.CheckpointError) as info:
             record.need(key)
@@ -175,24 +178,24 @@ def test_a_partial_record_loads_and_names_a_key_only_when_needed(tmp_path):
 
 def test_unknown_keys_are_kept(tmp_path):
     info = _current(future={"a": [1, 2]}, vocab={"spm_sha256": SHA, "vocab_size": 64, "x": 1})
-    ckpt.write_train_config(tmp_path, info)
-    record = ckpt.read_train_record(tmp_path)
+    train_config.write_train_config(tmp_path, info)
+    record = train_config.read_train_record(tmp_path)
     assert record.extra == {"future": {"a": [1, 2]}} and record.vocab.extra == {"x": 1}
     out = tmp_path / "again"
     out.mkdir()
-    ckpt.write_train_config(out, record)
-    assert ckpt.read_train_config(out) == info
+    train_config.write_train_config(out, record)
+    assert train_config.read_train_config(out) == info
 
 
 def test_a_relaid_record_says_so(tmp_path):
     from dataclasses import replace
 
-    record = ckpt.TrainConfigRecord.from_json(_current(), tmp_path / ckpt.TRAIN_CONFIG)
+    record = train_config.TrainConfigRecord.from_json(_current(), tmp_path / ckpt.TRAIN_CONFIG)
     relaid = replace(record, parts=(0, 3), repartitioned=True)
-    ckpt.write_train_config(tmp_path, relaid)
-    raw = ckpt.read_train_config(tmp_path)
+    train_config.write_train_config(tmp_path, relaid)
+    raw = train_config.read_train_config(tmp_path)
     assert raw["parts"] == [0, 3] and raw["repartitioned"] is True
-    assert ckpt.read_train_record(tmp_path) == relaid
+    assert train_config.read_train_record(tmp_path) == relaid
     assert "repartitioned" not in record.to_json()  # the trainer never writes it
 
 
@@ -226,9 +229,9 @@ def test_a_relaid_record_says_so(tmp_path):
     ],
 )
 def test_a_malformed_value_is_one_line_naming_the_file_and_key(tmp_path, key, value, named):
-    ckpt.write_train_config(tmp_path, _current(**{key: value}))
+    train_config.write_train_config(tmp_path, _current(**{key: value}))
     with pytest.raises(ckpt.CheckpointError) as info:
-        ckpt.read_train_record(tmp_path)
+        train_config.read_train_record(tmp_path)
     msg = str(info.value)
     assert isinstance(info.value, UserError) and "\n" not in msg
     assert msg.startswith(f"{tmp_path / ckpt.TRAIN_CONFIG}: key {named} ")
@@ -236,9 +239,9 @@ def test_a_malformed_value_is_one_line_naming_the_file_and_key(tmp_path, key, va
 
 def test_the_vocab_message_is_the_converters(tmp_path):
     """The message convert_checkpoint.py gave a malformed vocab before the record checked it."""
-    ckpt.write_train_config(tmp_path, _current(vocab={"spm_sha256": "x"}))
+    train_config.write_train_config(tmp_path, _current(vocab={"spm_sha256": "x"}))
     with pytest.raises(ckpt.CheckpointError) as info:
-        ckpt.read_train_record(tmp_path)
+        train_config.read_train_record(tmp_path)
     assert str(info.value) == (
         f"{tmp_path / ckpt.TRAIN_CONFIG}: key vocab must be null or hold spm_sha256 (64 hex "
         "digits), got {'spm_sha256': 'x'}"

@@ -26,6 +26,7 @@ import torch
 
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import checkpoint_state
 from megatron_branchnorm.parallel.partition import (
     engine_param_to_flat_key,
     pipe_to_flat_key,
@@ -125,10 +126,12 @@ def _checkpoint_state(tag_dir: Path, precision: str) -> dict[str, dict[str, torc
     """The checkpoint's state per flat key, read from its files: the optimizer files, and in
     fp32 the layer files for the weights (an fp32 run's masters)."""
     names = spec_names(load_config("tiny_cpu").model)
-    state = ckpt.read_optimizer_state(tag_dir, lambda n: engine_param_to_flat_key(n, names))
+    state = checkpoint_state.read_optimizer_state(
+        tag_dir, lambda n: engine_param_to_flat_key(n, names)
+    )
     assert state is not None
     if precision == "fp32":
-        _, weights = ckpt.read_checkpoint(tag_dir, pipe_to_flat_key)
+        _, weights = checkpoint_state.read_checkpoint(tag_dir, pipe_to_flat_key)
         for key, value in weights.items():
             state[key]["master"] = value.flatten()
     return state
