@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -446,30 +447,43 @@ def run_child(spec: dict) -> dict:
 
 
 def _child_env(threads: int | None) -> dict[str, str]:
-    """What the child adds to a rank's environment (a world of one, :func:`start_ranks`)."""
-    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    """This environment without a launcher's rank variables (the child is a world of one).
+
+    Not :func:`megatron_branchnorm.runner.ranks.start_ranks`: a world of one picks its own
+    rendezvous port (``environment.setup_process_env``) a moment before it binds it, whereas a
+    port picked here would sit unbound for the seconds the child takes to import torch and
+    DeepSpeed, while the children started beside it take ephemeral ports (seen in CI: "MASTER_PORT
+    ... is already in use")."""
+    env = dict(os.environ)
+    for key in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT",
+        "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MBN_FAULT_INJECT",
+    ):  # fmt: skip
+        env.pop(key, None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     # the child imports this package from where the parent did
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def spawn_child(spec: dict, timeout: float = 1800.0, threads: int | None = None) -> dict:
-    """:func:`run_child` in a new process, rank 0 of a world of one
-    (:func:`megatron_branchnorm.runner.ranks.start_ranks`); its result. A child past
-    ``timeout`` seconds is killed (subprocess.TimeoutExpired)."""
-    from megatron_branchnorm.runner.ranks import start_ranks
-
+    """:func:`run_child` in a new process (its own process group); its result."""
     with tempfile.TemporaryDirectory(prefix="mbn_launches_") as tmp:
         out = Path(tmp) / "result.json"
-        args = ["--child", json.dumps(spec), "--out", str(out)]
-        module = "megatron_branchnorm.experiments.launches"
-        with start_ranks(1, args, Path(tmp), module=module, env=_child_env(threads)) as child:
-            code = child[0].wait(timeout=timeout)
-        if code != 0 or not out.exists():
-            log = child.logs[0].read_text(encoding="utf-8", errors="replace")
-            tail = "\n".join(log.strip().splitlines()[-15:])
-            raise RuntimeError(f"launch count of {spec['config']} failed ({code}):\n{tail}")
+        cmd = [
+            sys.executable, "-m", "megatron_branchnorm.experiments.launches",
+            "--child", json.dumps(spec), "--out", str(out),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=_child_env(threads), capture_output=True, text=True, timeout=timeout
+        )
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"launch count of {spec['config']} failed ({proc.returncode}):\n{tail}"
+            )
         return json.loads(out.read_text())
 
 
