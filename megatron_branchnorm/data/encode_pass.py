@@ -22,13 +22,7 @@ from megatron_branchnorm.data.corpora import pair_name
 from megatron_branchnorm.data.indexed_dataset import IndexedDatasetWriter
 from megatron_branchnorm.data.phase_stats import PhaseStats
 from megatron_branchnorm.data.progress import progress_bar
-from megatron_branchnorm.data.workers import ignore_sigint, in_order, worker_pool
-
-
-def _init_worker(model_file: str) -> None:
-    """An encoding worker: ignores Ctrl-C, loads the SentencePiece model once."""
-    ignore_sigint()
-    spm_lib.init_worker(model_file)
+from megatron_branchnorm.data.workers import in_order, worker_pool
 
 
 def _encode_span(task: tuple[Path, int, int, Path, int, int, int | None]) -> tuple:
@@ -99,7 +93,7 @@ def encode_all(
     out: dict[tuple[str, str], Encoded] = {}
     writers: list[IndexedDatasetWriter] = []
     try:
-        with worker_pool(workers, stats, _init_worker, (model_file,)) as pool:
+        with worker_pool(workers, stats, spm_lib.init_worker, (model_file,)) as pool:
             if pool is None:
                 spm_lib.init_worker(model_file, pool_worker=False)
             for (kind, key, _), res in in_order(_encode_span, tasks(), pool, workers):

@@ -66,7 +66,7 @@ from megatron_branchnorm.data.staging import (
     staged_output,
     write_stats,
 )
-from megatron_branchnorm.data.workers import kill_pool, start_pool, worker_pool
+from megatron_branchnorm.data.workers import worker_pool
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
@@ -193,15 +193,8 @@ def _train_spm(
 def _train_in_child(stats: PhaseStats, *args: Any) -> dict:
     """:func:`_train_spm` in a child process, so that the trainer's memory goes back to the
     system when it ends (a process keeps its heap) and no encoding worker inherits it."""
-    pool = start_pool(1, stats)
-    try:
-        info = pool.apply_async(_train_spm, args).get()
-    except BaseException:
-        kill_pool(pool)
-        raise
-    pool.close()
-    pool.join()
-    return info
+    with worker_pool(1, stats, inline_one=False) as pool:
+        return pool.apply_async(_train_spm, args).get()
 
 
 # ---------------------------------------------------------------------------------------------

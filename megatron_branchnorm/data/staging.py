@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError
 from megatron_branchnorm.formats.files import read_small_file
@@ -122,7 +121,6 @@ def staged_output(
     try:
         yield tmp
         write_marker(tmp, tool, kind)
-        (tmp / dirs.TEMP_MARKER).unlink()
         check_output_dir(out, kind, overwrite, inputs, legacy)
         publish_dir(tmp, out)
     except OSError as exc:

@@ -83,11 +83,16 @@ def start_pool(
 
 @contextmanager
 def worker_pool(
-    n: int, stats: PhaseStats, initializer: Callable[..., None] = ignore_sigint, initargs=()
+    n: int,
+    stats: PhaseStats,
+    initializer: Callable[..., None] = ignore_sigint,
+    initargs=(),
+    inline_one: bool = True,
 ) -> Iterator[mp.pool.Pool | None]:
-    """A pool of ``n`` workers (None for one: the work runs in this process), terminated
-    without waiting for queued work when the body fails (Ctrl-C, an error)."""
-    if n <= 1:
+    """A pool of ``n`` workers (None for one when ``inline_one``: the work runs in this
+    process), terminated without waiting for queued work when the body fails (Ctrl-C, an
+    error)."""
+    if n <= 1 and inline_one:
         yield None
         return
     pool = start_pool(n, stats, initializer, initargs)

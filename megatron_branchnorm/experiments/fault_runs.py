@@ -67,11 +67,6 @@ def launch(
     return ranks.procs
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
-    """Exit codes; ranks still alive after ``timeout`` are killed (code None is never returned)."""
-    return wait_ranks(procs, timeout)
-
-
 def records(save_dir: Path) -> list[dict]:
     """Every metrics.jsonl row with a loss (applied updates), in file order as written (the
     steps a resume redid included; a line being written is left out)."""
@@ -115,7 +110,7 @@ def kill_hard_when(
     """Send ``sig`` (SIGKILL) to rank ``victim`` once metrics.jsonl has ``min_rows`` rows;
     returns (seconds until every rank exited, exit codes)."""
     t0 = signal_when(procs, save_dir, victim, min_rows, timeout, sig)
-    codes = wait_all(procs, timeout=180)
+    codes = wait_ranks(procs, timeout=180)
     return time.time() - t0, codes
 
 

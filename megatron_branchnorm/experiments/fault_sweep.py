@@ -30,10 +30,10 @@ from megatron_branchnorm.experiments.fault_runs import (
     max_difference,
     param_hash,
     records,
-    wait_all,
 )
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
+from megatron_branchnorm.runner.ranks import wait_ranks
 
 
 def reference(out: Path, steps: int, world: int = 2) -> Path:
@@ -42,7 +42,7 @@ def reference(out: Path, steps: int, world: int = 2) -> Path:
     if not (ref / ckpt.tag_for(steps) / ckpt.MANIFEST).is_file():
         shutil.rmtree(ref, ignore_errors=True)
         over = [f"train.max_steps={steps}", "train.save_interval=0"]
-        codes = wait_all(launch(ref, over, ref, world=world))
+        codes = wait_ranks(launch(ref, over, ref, world=world))
         if codes != [0] * world:
             sys.exit(f"reference run failed: {codes}")
     return ref
@@ -75,11 +75,11 @@ def kill_points(out: Path, steps: int, world: int = 2) -> list[dict]:
             t0 = time.time()
             over = [f"train.max_steps={steps}", "train.save_interval=2"]
             fault = f"save_exit@{point}:rank{rank}:step4"
-            codes = wait_all(launch(run, over, run, fault=fault, world=world))
+            codes = wait_ranks(launch(run, over, run, fault=fault, world=world))
             seconds = time.time() - t0
             tag = ckpt.resume_tag(run)[0]
             t0 = time.time()
-            restart_codes = wait_all(launch(run, over, run, world=world))
+            restart_codes = wait_ranks(launch(run, over, run, world=world))
             row = {
                 "point": point,
                 "rank": rank,
@@ -175,7 +175,7 @@ def soak(out: Path, steps: int, preemptions: int, hard_kills: int, world: int = 
             t0 = time.time()
             for p in targets:
                 os.kill(p.pid, sig)
-            codes = wait_all(procs, timeout=240)
+            codes = wait_ranks(procs, timeout=240)
             seconds = time.time() - t0
         latest = ckpt.resume_tag(run)[0]
         saved = ckpt.tag_step(latest) if latest else 0
@@ -190,7 +190,7 @@ def soak(out: Path, steps: int, preemptions: int, hard_kills: int, world: int = 
             }
         )
         print(log[-1], before, flush=True)
-    codes = wait_all(launch(run, over, run / "logs", world=world))
+    codes = wait_ranks(launch(run, over, run / "logs", world=world))
     result = {"events": log, "final_codes": codes, "steps_redone": lost, **compare(run, ref, steps)}
     ids = [r["ids_hash"] for _, r in sorted(last_by_step(run).items())]
     ref_ids = [r["ids_hash"] for _, r in sorted(last_by_step(ref).items())]

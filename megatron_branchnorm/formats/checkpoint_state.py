@@ -40,16 +40,22 @@ FlatKey = Callable[[str, str], str]
 
 
 def read_checkpoint(
-    tag_dir: Path, flat_key: FlatKey, verify: bool = True, indices: set[int] | None = None
+    tag_dir: Path,
+    flat_key: FlatKey,
+    verify: bool = True,
+    indices: set[int] | None = None,
+    info: TrainConfigRecord | None = None,
 ) -> tuple[TrainConfigRecord, dict[str, torch.Tensor]]:
     """(``train_config.json``'s record, flat state dict in fp32) of one checkpoint directory,
     verified against its checksums unless the caller already did (``verify=False``); with
     ``indices``, only the layer files of those layer-list indices are read. Layer files are
-    read with ``torch.load(weights_only=True)``."""
+    read with ``torch.load(weights_only=True)``. ``info``: the tag's record when the caller
+    has read it already."""
     tag_dir = Path(tag_dir)
     if verify:
         verify_checkpoint(tag_dir)
-    info = read_train_record(tag_dir)
+    if info is None:
+        info = read_train_record(tag_dir)
     names = info.need("spec_names")
     state: dict[str, torch.Tensor] = {}
     for idx, path in sorted(layer_files(tag_dir).items()):

@@ -119,9 +119,14 @@ def dataset_of(tag_dir: Path) -> str | None:
     """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
     config cannot be read: the caller reports that when it loads the checkpoint)."""
     try:
-        data = train_config.read_train_record(tag_dir).config_value("data.dataset")
+        return _dataset(train_config.read_train_record(tag_dir))
     except ckpt.CheckpointError:
         return None
+
+
+def _dataset(record: train_config.TrainConfigRecord) -> str | None:
+    """:func:`dataset_of` from a record already read."""
+    data = record.config_value("data.dataset")
     return data if isinstance(data, str) and data and data != "synthetic" else None
 
 
@@ -132,8 +137,8 @@ def trained_directions(tag_dir: Path) -> tuple[list[str] | None, str | None]:
     (``data_manifest_sha256`` of train_config.json). None without a warning for synthetic
     data (no text to translate) and for a checkpoint that recorded no manifest (older ones:
     nothing to check the DATA_DIR against)."""
-    data = dataset_of(tag_dir)
-    recorded = train_config.read_train_record(tag_dir).data_manifest_sha256
+    record = train_config.read_train_record(tag_dir)
+    data, recorded = _dataset(record), record.data_manifest_sha256
     if data is None or recorded is None:
         return None, None
     unknown = "the export records no trained directions (translate refuses only a language "

@@ -5,9 +5,9 @@ with RANK/WORLD_SIZE/LOCAL_RANK/... in its environment (:func:`rank_env`) and a 
 of its own run (:func:`free_port`), its output in ``rank<R>.log``. The rehearsal
 (``workflows/rehearse_runs.py``), the benchmark's train.py runs (``experiments/bench_train.py``),
 the fault runs (``experiments/fault_runs.py``), the GPU check's train.py runs
-(``workflows/gpu_check.py``), ``experiments/bench_pipeline_shapes.py``, the launch counter's
-children (``experiments/launches.py``: worlds of one) and the tests' multi-rank harnesses
-start their ranks here; the deepspeed launcher's single process group is
+(``workflows/gpu_check.py``), ``experiments/bench_pipeline_shapes.py`` and the tests'
+multi-rank harnesses start their ranks here (not the launch counter's children: a world of one
+picks its own port, ``experiments/launches._child_env`` says why); the deepspeed launcher's single process group is
 :func:`megatron_branchnorm.runner.launch.logged_group`.
 
 :class:`Ranks` is the group: reaped without blocking (:meth:`Ranks.poll`, which keeps each
@@ -74,10 +74,9 @@ class Ranks:
     """The processes of one run's ranks (:func:`start_ranks`); a sequence of their Popen
     objects, rank order."""
 
-    def __init__(
-        self, procs: list[subprocess.Popen], argv: list[str], port: int, logs: list[Path]
-    ) -> None:
-        self.procs = procs
+    def __init__(self, world: int, argv: list[str], port: int, logs: list[Path]) -> None:
+        self.procs: list[subprocess.Popen] = []
+        """The ranks started so far, rank order (all ``world`` once :func:`start_ranks` returns)."""
         self.argv = argv
         """The command line every rank runs (its interpreter first)."""
         self.port = port
@@ -85,12 +84,16 @@ class Ranks:
         self.logs = logs
         """Each rank's log file (rank 0's: where its reader writes it, with ``pipe_rank0``);
         none when the ranks' output is piped (:func:`start_ranks` without a ``log_dir``)."""
-        self.codes: list[int | None] = [None] * len(procs)
-        """Exit codes of the ranks :meth:`poll` reaped; None while running."""
-        self.maxrss_mb: list[float | None] = [None] * len(procs)
+        self.maxrss_mb: list[float | None] = [None] * world
         """ru_maxrss of each rank :meth:`poll` reaped, MiB (its waited-for children included)."""
-        self.peak_rss_mb: list[float | None] = [None] * len(procs)
+        self.peak_rss_mb: list[float | None] = [None] * world
         """The last VmHWM :meth:`sample_peaks` read of each rank, MiB."""
+
+    @property
+    def codes(self) -> list[int | None]:
+        """Exit codes of the ranks reaped so far (:meth:`poll`, :meth:`wait`); None while
+        running."""
+        return [p.returncode for p in self.procs]
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -105,14 +108,12 @@ class Ranks:
         """Reap, without blocking, every rank that has exited (``os.wait4``, so its
         ``ru_maxrss`` is kept); returns the exit codes so far, None for a rank still running."""
         for i, p in enumerate(self.procs):
-            if self.codes[i] is None and p.returncode is None:
+            if p.returncode is None:
                 pid, status, usage = os.wait4(p.pid, os.WNOHANG)
                 if pid:
                     p.returncode = os.waitstatus_to_exitcode(status)
                     self.maxrss_mb[i] = usage.ru_maxrss / 1024.0
-            if self.codes[i] is None and p.returncode is not None:
-                self.codes[i] = p.returncode
-        return list(self.codes)
+        return self.codes
 
     def sample_peaks(self) -> None:
         """Read the VmHWM of every rank not yet reaped into :attr:`peak_rss_mb` (call before
@@ -132,9 +133,7 @@ class Ranks:
 
     def wait(self, timeout: float = 300) -> list[int]:
         """Exit codes of every rank; ranks alive after ``timeout`` seconds are killed."""
-        codes = wait_ranks(self.procs, timeout)
-        self.codes = list(codes)
-        return codes
+        return wait_ranks(self.procs, timeout)
 
     def kill(self) -> None:
         """SIGKILL every rank still running and reap it."""
@@ -183,7 +182,7 @@ def start_ranks(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         logs = [log_dir / f"{log_prefix}rank{r}.log" for r in range(world)]
-    group = Ranks([], argv, port, logs)
+    group = Ranks(world, argv, port, logs)
     try:
         for rank in range(world):
             rank_environment = {**rank_env(rank, world, port), **(env or {})}
@@ -203,9 +202,6 @@ def start_ranks(
                         argv, env=rank_environment, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
                     )
             group.procs.append(proc)
-            group.codes.append(None)
-            group.maxrss_mb.append(None)
-            group.peak_rss_mb.append(None)
     except BaseException:
         group.kill()
         raise

@@ -372,7 +372,7 @@ class Checkpointer:
         tied = len(self.module.tied_modules) > 0
         entries = set(range(self.parts[stage], self.parts[stage + 1])) | ({0} if tied else set())
         _, flat = checkpoint_state.read_checkpoint(  # resume verified it
-            tag_dir, pipe_to_flat_key, verify=False, indices=entries
+            tag_dir, pipe_to_flat_key, verify=False, indices=entries, info=saved
         )
         state = {}
         for key in self.module.state_dict():

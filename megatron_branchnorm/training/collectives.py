@@ -40,10 +40,13 @@ def communication_device(group=None) -> torch.device:
 
 def _on_device(values: torch.Tensor | Sequence[float], group, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor holding ``values`` on ``group``'s communication device (never the
-    caller's own tensor: the collectives below work in place)."""
+    caller's own tensor: the collectives below work in place). A pinned host tensor is copied
+    without blocking the host (the caller reuses it only after the collective's stream has
+    passed it: training/stopping.py's event)."""
     device = communication_device(group)
     if isinstance(values, torch.Tensor):
-        return values.detach().to(device=device, dtype=dtype, copy=True)
+        pinned = values.device.type == "cpu" and device.type == "cuda" and values.is_pinned()
+        return values.detach().to(device=device, dtype=dtype, copy=True, non_blocking=pinned)
     return torch.tensor(list(values), dtype=dtype, device=device)
 
 

@@ -337,9 +337,10 @@ def install(
     runs = layer_runs(funcs)
     if reason is None and not runs:
         reason = "this stage holds no encoder or decoder layer"
-    hooked = next((h for a, b in runs if (h := _hooked(funcs[a:b]))), None)
-    if reason is None and hooked:
-        reason = f"{hooked} has module hooks, which a replay would skip"
+    if reason is None:  # the hooks are looked for only where a graph could be made
+        hooked = next((h for a, b in runs if (h := _hooked(funcs[a:b]))), None)
+        if hooked:
+            reason = f"{hooked} has module hooks, which a replay would skip"
     if reason is not None:
         if mode == "on" or device.type == "cuda":
             log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")

@@ -15,7 +15,6 @@ import torch
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training import collectives, stop_signals
-from megatron_branchnorm.training.data import to_device
 
 
 class TrainError(UserError, RuntimeError):
@@ -105,7 +104,7 @@ class Stopper:
                 return previous
         flags, error = self._flags(time_up)
         send_view[:] = flags  # its previous copy to the device is complete (the event above)
-        reduced = collectives.all_reduce(to_device(send, device), op="max")
+        reduced = collectives.all_reduce(send, op="max")  # one copy to the device, no wait
         host.copy_(reduced, non_blocking=device.type == "cuda")
         done = None
         if device.type == "cuda":

@@ -206,7 +206,7 @@ class Trainer:
         install_engine_fixes(self.engine)
         bf16_hooks = install_bf16_grad_accumulation(self.engine)  # one kernel each (§2.3)
         # CUDA graphs of the stage's layer stack per bucket shape (docs/design.md §19)
-        self.graphed = cuda_graphs.install(
+        cuda_graphs.install(
             module,
             cfg.model.cuda_graphs,
             device=torch.device(self.engine.device),

@@ -26,8 +26,8 @@ from megatron_branchnorm.experiments.fault_runs import (
     records,
     signal_at_handler,
     signal_when,
-    wait_all,
 )
+from megatron_branchnorm.runner.ranks import wait_ranks as wait_all
 from tests.pipeline.conftest import ROOT
 
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
