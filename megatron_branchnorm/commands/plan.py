@@ -16,7 +16,8 @@ micro-batches per replica instead.
 
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
-``total parameters: X.XXB``. ``section.key=value`` overrides apply as in train.py. Exit codes:
+``total parameters: X.XXB``; with ``model.cuda_graphs=on`` (or auto) also each stage's CUDA-graph
+static memory and how many graph sets fit beside the run (training/cuda_graphs.py). ``section.key=value`` overrides apply as in train.py. Exit codes:
 0 fits, 1 does not fit, 2 bad input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in megatron_branchnorm/parallel/planner.py.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
 from megatron_branchnorm.config import load_config
+from megatron_branchnorm.data.buckets import max_shapes_of
 from megatron_branchnorm.formats.outputs import write_stdout
 from megatron_branchnorm.parallel.planner import (
     DEFAULT_VOCAB,
@@ -142,6 +144,8 @@ def _plan(argv: list[str] | None) -> int:
         plan = auto_stages(cfg, args.gpus, args.gpu_memory, per_update, **kwargs)
     else:
         plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
+    if cfg.model.cuda_graphs != "off":  # the graphs' static buffers, per stage
+        plan = dataclasses.replace(plan, graph_shapes=max_shapes_of(cfg.data.bucket_shapes))
     write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n")
     return 0 if plan.fits() else 1
 

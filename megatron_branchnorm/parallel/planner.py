@@ -18,7 +18,12 @@ same call the trainer makes), it estimates in bytes:
   T x T attention matrix when attention dropout is 0); with checkpointing every k layers only
   each chunk's input is kept, plus one chunk's full activations while it is recomputed;
 * **loss workspace** on the last stage -- logits and their fp32 log-softmax and gradient;
-* a fixed **overhead** (CUDA context, NCCL buffers, allocator fragmentation).
+* a fixed **overhead** (CUDA context, NCCL buffers, allocator fragmentation);
+* **CUDA graphs' static buffers** (``model.cuda_graphs``; training/cuda_graphs.py,
+  docs/design.md §19) -- not part of the peak: what one *graph set* (a graph of every layer
+  range of the stage, for one bucket shape and one micro-batch in flight) keeps between replays,
+  and how many sets fit in what the planned peak leaves free once the graphs' own activation
+  pools (as large as the eager activations) are set aside (:func:`graph_allowance`).
 
 Precision follows the DeepSpeed JSON the config names (bf16, fp16 or fp32). The pipeline
 bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.
@@ -56,6 +61,13 @@ class PlanError(UserError, ValueError):
 
 DEFAULT_VOCAB = 64000
 TIED_KINDS = ("embed", "dec_embed", "output")
+
+MAX_GRAPHS = 128
+"""CUDA graphs a stage captures at most (training/cuda_graphs.py): their memory is bounded
+apart (:meth:`RunPlan.graph_allowance`); this bounds the captures' time (each runs its layers
+four times) and holds a one-stage run's 48 shapes x 2 layer ranges."""
+GRAPHED_KINDS = ("enc", "enc_final", "dec", "dec_final")
+"""Entries a graphed layer range may hold (training/cuda_graphs.layer_runs)."""
 
 # Activation bytes per token per unit of width, at 16-bit, without checkpointing.
 ENC_ACT_PER_TOKEN_D = 34.0
@@ -200,6 +212,11 @@ class StagePlan:
     act_no_ckpt: float
     act_ckpt: float
     loss_workspace: float
+    graph_set_bytes: float = 0.0
+    """Static bytes of one graph set (module docstring): each layer range's parameter
+    gradients, and its inputs, outputs and their gradients at ``micro_batch_tokens``."""
+    layer_ranges: int = 0
+    """Runs of encoder/decoder layers (with their final norms) a graph set captures."""
 
     def total(self, checkpointing: bool, overhead: float) -> float:
         """Peak estimate with or without activation checkpointing."""
@@ -224,6 +241,9 @@ class RunPlan:
     overhead: float
     stage_plans: list[StagePlan]
     tflops: float
+    graph_shapes: int = 0
+    """Bucket shapes a stage graphs (the most ``data.bucket_shapes`` allows) when the config
+    turns ``model.cuda_graphs`` on or auto; 0 leaves graphs out of :func:`format_plan`."""
 
     @property
     def total_params(self) -> int:
@@ -260,6 +280,26 @@ class RunPlan:
     def fits(self, checkpointing: bool | None = None) -> bool:
         """Whether every stage's estimate fits in one GPU's memory."""
         return self.peak(checkpointing) <= self.gpu_memory
+
+    def graph_allowance(self, stage: StagePlan) -> float:
+        """Bytes ``stage``'s CUDA graphs may keep in static buffers: one GPU less the stage's
+        planned peak as configured, less a second copy of its in-flight activations (the
+        graphs' memory pools hold them apart from the eager allocator's); 0 on a stage that
+        recomputes (it runs eagerly: training/cuda_graphs.eager_reason)."""
+        if self.stage_checkpoints(stage):
+            return 0.0
+        free = self.gpu_memory - stage.total(False, self.overhead) - stage.act_no_ckpt
+        return max(0.0, free)
+
+    def graph_sets(self, stage: StagePlan) -> tuple[int, int]:
+        """(graph sets ``stage`` needs: every bucket shape times every micro-batch in flight,
+        graph sets its allowance holds), the latter also capped by the graph count
+        (:data:`MAX_GRAPHS` per stage)."""
+        wanted = self.graph_shapes * stage.in_flight
+        if not stage.graph_set_bytes or not stage.layer_ranges:
+            return wanted, 0
+        fit = int(self.graph_allowance(stage) // stage.graph_set_bytes)
+        return wanted, min(fit, MAX_GRAPHS // stage.layer_ranges, wanted)
 
     @property
     def tokens_per_update(self) -> int:
@@ -341,6 +381,28 @@ def _activation_bytes(
     return without, kept + one_chunk
 
 
+def _graph_set(
+    m: ModelConfig, kinds: list[str], params: list[int], tokens: int, prec: Precision
+) -> tuple[float, int]:
+    """(static bytes, layer ranges) of one graph set of a stage whose entries are ``kinds``
+    with ``params`` each: per range its parameters' gradient buffers (in the weights' dtype, as
+    ``torch.autograd.grad`` returns them), its hidden states in, out and both gradients, the
+    decoder's encoder output in and its gradient, the int64 token ids passed along."""
+    hidden = tokens * m.hidden_size * prec.activation
+    total, ranges, run = 0.0, 0, []
+    for kind, n in [*zip(kinds, params, strict=True), ("", 0)]:
+        if kind in GRAPHED_KINDS:
+            run.append((kind, n))
+            continue
+        if any(k in ("enc", "dec") for k, _ in run):
+            ranges += 1
+            decoder = any(k == "dec" for k, _ in run)  # (x, memory, src) in; else (x, src, prev)
+            total += sum(n for _, n in run) * prec.weights + 4 * hidden
+            total += 2 * hidden + tokens * 8 if decoder else 2 * tokens * 8
+        run = []
+    return total, ranges
+
+
 def plan_run(
     cfg: ExperimentConfig,
     gpus: int,
@@ -397,6 +459,7 @@ def plan_run(
         # "with checkpointing" for a config that has none is reported at interval 1
         every = interval if isinstance(interval, int) and interval > 0 else 1
         _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, every)
+        graph_bytes, ranges = _graph_set(m, kinds, [params[i] for i in chunk], tokens, prec)
         loss = 0.0
         if "output" in kinds:  # logits (act dtype) + fp32 log-softmax + its gradient
             loss = tokens * vocab * (prec.activation + 8)
@@ -413,6 +476,8 @@ def plan_run(
                 act_no_ckpt=in_flight * without,
                 act_ckpt=in_flight * with_ckpt,
                 loss_workspace=loss,
+                graph_set_bytes=graph_bytes,
+                layer_ranges=ranges,
             )
         )
     return RunPlan(
@@ -444,6 +509,14 @@ def auto_checkpoint_interval(
         return int(interval)
     plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
     return int(plan.stage_checkpoints(plan.stage_plans[stage]))
+
+
+def graph_allowance(cfg: ExperimentConfig, world: int, stage: int, device_memory: float) -> float:
+    """Bytes of static buffers ``stage``'s CUDA graphs may keep on a device of
+    ``device_memory`` bytes (:meth:`RunPlan.graph_allowance`): the trainer's bound on them
+    (training/cuda_graphs.install), so that graphs never take what the planned run needs."""
+    plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
+    return plan.graph_allowance(plan.stage_plans[stage])
 
 
 def stage_counts(cfg: ExperimentConfig, gpus: int) -> list[int]:
@@ -552,4 +625,30 @@ def format_plan(plan: RunPlan) -> str:
         f"{plan.tflops:.0f} TFLOP/s sustained per GPU",
         f"checkpoint: ~{_gb(ckpt_total)} GB in total, up to {_gb(ckpt_rank)} GB written by one rank",
     ]
+    if plan.graph_shapes:
+        lines += ["", *_format_graphs(plan)]
     return "\n".join(lines)
+
+
+def _format_graphs(plan: RunPlan) -> list[str]:
+    """The CUDA-graph rows: per stage, one graph set's static bytes, the sets wanted and the
+    sets that fit (:meth:`RunPlan.graph_sets`); micro-batches beyond them run eagerly."""
+    lines = [
+        f"CUDA graphs (model.cuda_graphs on, up to {plan.graph_shapes} bucket shapes; "
+        "training/cuda_graphs.py): a graph set is every layer range of a stage for one shape "
+        "and one micro-batch in flight; sets that do not fit run eagerly",
+        "",
+        "| stage | graph set GB | allowance GB | sets wanted | sets that fit |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for s in plan.stage_plans:
+        if plan.stage_checkpoints(s) or not s.layer_ranges:
+            why = "recomputes: eager" if s.layer_ranges else "no layers"
+            lines.append(f"| {s.stage} | - | - | - | {why} |")
+            continue
+        wanted, fit = plan.graph_sets(s)
+        lines.append(
+            f"| {s.stage} | {_gb(s.graph_set_bytes)} | {_gb(plan.graph_allowance(s))} | "
+            f"{wanted} | {fit} |"
+        )
+    return lines

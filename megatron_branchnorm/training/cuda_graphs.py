@@ -29,9 +29,18 @@ overwrites. A pipeline stage runs up to ``stages - stage_id`` forwards before th
 output arrives (a hook on the output), and a forward whose key's graphs are all busy uses (or
 captures) the graph of the next free in-flight slot. Graphs of one slot share one memory pool
 (they never overlap in time: a slot holds one micro-batch's forward-to-backward window); slots
-have their own pools. Each graph keeps its own static output and gradient buffers, parameter
-gradients included, so at most ``max_graphs`` graphs are captured per stage; a key past that
-runs eagerly, said once.
+have their own pools.
+
+Memory. Each graph keeps its own static buffers alive between replays (:func:`static_bytes`):
+its inputs, output and their gradients, and a gradient buffer for every parameter of its range
+(``make_graphed_callables`` returns parameter gradients as graph outputs), so a graph of a deep
+stage's range keeps about its weights' size again. A stage captures at most ``max_graphs``
+graphs (:data:`~megatron_branchnorm.parallel.planner.MAX_GRAPHS`) whose static buffers fit in
+``memory`` bytes: the trainer passes the planner's allowance for the stage (what its planned
+peak leaves free, less a second copy of its in-flight activations, which the slots' pools hold
+apart from the eager allocator: ``planner.graph_allowance``). A key past either bound runs
+eagerly, said once; ``tools/plan_memory.py ... model.cuda_graphs=on`` shows per stage how many
+graph sets fit.
 
 Parameter gradients are graph outputs (``make_graphed_callables`` computes them with
 ``torch.autograd.grad`` inside the backward graph); autograd's AccumulateGrad adds them into
@@ -61,6 +70,7 @@ a layer, or no layer to graph on the stage.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,15 +85,13 @@ from megatron_branchnorm.parallel.pipeline import (
     FinalNormPipe,
     StageBias,
 )
+from megatron_branchnorm.parallel.planner import MAX_GRAPHS
 
 MODES = CUDA_GRAPH_MODES
 """The values of ``model.cuda_graphs``."""
 
 WARMUP = 2
 """Eager calls of a key before its graph is captured."""
-
-MAX_GRAPHS = 64
-"""Graphs captured per stage at most (each holds its own output and gradient buffers)."""
 
 GraphFactory = Callable[[nn.Module, tuple, Any], Callable[..., torch.Tensor]]
 """``factory(module, sample_args, pool)`` -> the graphed callable of ``module``."""
@@ -156,6 +164,42 @@ class LayerRun(nn.Module):
         return h[0] if isinstance(h, tuple) else h
 
 
+def static_bytes(layers: Sequence[nn.Module], args: Sequence[torch.Tensor]) -> int:
+    """Bytes a graph of ``layers`` captured on ``args`` keeps alive between replays: a
+    gradient buffer per parameter (autograd's, in the parameter's dtype), each static input and
+    the gradient of each that requires one, the output (the hidden states' shape) and its
+    gradient (module docstring, "Memory")."""
+    params = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
+    held = sum(p.numel() * p.element_size() for p in params.values())
+    held += sum(a.nbytes * (2 if a.requires_grad else 1) for a in args)
+    return held + 2 * args[0].nbytes
+
+
+@dataclass
+class GraphBudget:
+    """What a stage's graphs may still take (shared by its ranges): a number of graphs and
+    bytes of static buffers."""
+
+    graphs: int
+    memory: float = math.inf
+
+    def refusal(self, need: int) -> str | None:
+        """None when a graph keeping ``need`` bytes fits; else why not (one phrase)."""
+        if self.graphs <= 0:
+            return "the stage's graph budget is spent (its count of graphs)"
+        if need > self.memory:
+            return (
+                f"the stage's graph budget is spent (memory: the graph would keep "
+                f"{need / 2**30:.2f} GiB of static buffers, {max(self.memory, 0) / 2**30:.2f} "
+                "GiB of the planner's allowance is left)"
+            )
+        return None
+
+    def take(self, need: int) -> None:
+        self.graphs -= 1
+        self.memory -= need
+
+
 @dataclass
 class _Graph:
     fn: Callable[..., torch.Tensor]
@@ -182,7 +226,7 @@ class GraphedRange:
         factory: GraphFactory = _graph_factory,
         new_pool: Callable[[], Any] = _new_pool,
         warmup: int = WARMUP,
-        budget: list[int] | None = None,
+        budget: GraphBudget | None = None,
     ) -> None:
         self.layers = list(layers)
         self.log = log
@@ -190,8 +234,8 @@ class GraphedRange:
         self.factory = factory
         self.new_pool = new_pool
         self.warmup = warmup
-        self.budget = budget if budget is not None else [MAX_GRAPHS]
-        """Graphs this range may still capture (a list shared by a stage's ranges)."""
+        self.budget = budget if budget is not None else GraphBudget(MAX_GRAPHS)
+        """What this range's graphs may still take (shared by a stage's ranges)."""
         self.keys: dict[tuple, _Key] = {}
         self.pools: dict[int, Any] = {}
         self.disabled: str | None = None
@@ -260,16 +304,18 @@ class GraphedRange:
         graph = state.slots.get(slot)
         if graph is not None:
             return graph
-        if self.budget[0] <= 0:
+        need = static_bytes(self.layers, args)
+        refusal = self.budget.refusal(need)
+        if refusal is not None:
             if not state.said_eager:
                 state.said_eager = True
                 shapes = ", ".join(str(tuple(a.shape)) for a in args)
                 self.log(
                     f"cuda graphs: {self.name}: inputs of shapes {shapes} (in-flight slot "
-                    f"{slot}) run eagerly: the stage's graph budget is spent"
+                    f"{slot}) run eagerly: {refusal}"
                 )
             return None
-        self.budget[0] -= 1
+        self.budget.take(need)
         if slot not in self.pools:
             self.pools[slot] = self.new_pool()
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
@@ -317,10 +363,12 @@ def install(
     factory: GraphFactory = _graph_factory,
     new_pool: Callable[[], Any] = _new_pool,
     max_graphs: int = MAX_GRAPHS,
+    memory: float = math.inf,
 ) -> list[GraphedRange]:
     """Graph ``module``'s layer runs (a built stage: its ``forward_funcs``) as ``mode`` says;
     ``grads_handed_over``: each parameter's gradient leaves ``.grad`` as soon as backward has
-    written it (module docstring, "Parameter gradients"); returns the ranges installed (none: the stage runs eagerly, and unless ``mode`` is off, or
+    written it (module docstring, "Parameter gradients"); ``memory``: bytes the stage's graphs
+    may keep in static buffers (module docstring, "Memory"); returns the ranges installed (none: the stage runs eagerly, and unless ``mode`` is off, or
     auto on a machine without CUDA, one line through ``log`` says why)."""
     if mode not in MODES:
         raise ValueError(f"model.cuda_graphs: unknown mode {mode!r}")
@@ -345,7 +393,7 @@ def install(
         if mode == "on" or device.type == "cuda":
             log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")
         return []
-    budget = [max_graphs]
+    budget = GraphBudget(max_graphs, memory)
     ranges = []
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"
@@ -354,6 +402,11 @@ def install(
         ranges.append(graphed)
     log(
         f"model.cuda_graphs={mode}: {len(ranges)} layer range(s) captured per bucket shape "
-        f"after {WARMUP} eager calls (at most {max_graphs} graphs)"
+        f"after {WARMUP} eager calls (at most {max_graphs} graphs"
+        + (
+            f" keeping {memory / 2**30:.2f} GiB of static buffers)"
+            if math.isfinite(memory)
+            else ")"
+        )
     )
     return ranges[::-1]

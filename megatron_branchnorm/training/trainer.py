@@ -40,7 +40,7 @@ from megatron_branchnorm.parallel.pipeline import (
     fixed_shapes,
     install_engine_fixes,
 )
-from megatron_branchnorm.parallel.planner import auto_checkpoint_interval
+from megatron_branchnorm.parallel.planner import auto_checkpoint_interval, graph_allowance
 from megatron_branchnorm.training import collectives, cuda_graphs, stop_signals
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
@@ -215,6 +215,11 @@ class Trainer:
             compiled=cfg.model.compile,
             grads_handed_over=bf16_hooks and self.engine.optimizer.immediate_grad_update,
             log=self._stage_log,
+            memory=(  # static buffers kept beside the planned run (planner.graph_allowance)
+                graph_allowance(cfg, self.world, module.stage_id, self.device_memory)
+                if cfg.model.cuda_graphs != "off"
+                else 0.0
+            ),
         )
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.stage_id = self.engine.stage_id

@@ -226,3 +226,36 @@ def test_cli_plans_the_layout_the_trainer_takes(monkeypatch, capsys, tmp_path):
     )
     assert plan.main([*args[:3], "32", *args[4:]]) == 0  # the allocation it was planned for
     assert not capsys.readouterr().out.startswith("layout:")
+
+
+def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -> None:
+    """With model.cuda_graphs on, the plan shows per stage what a graph set keeps and how many
+    fit beside the planned run and the graphs' own activation pools (the trainer's bound,
+    planner.graph_allowance); stages that recompute run eagerly and get none."""
+    from megatron_branchnorm.commands import plan as plan_command
+    from megatron_branchnorm.parallel.planner import MAX_GRAPHS, graph_allowance
+
+    cfg = load_config("opus100_1000L")
+    plan = plan_run(cfg, gpus=32, gpu_memory=80 * GB)
+    for s in plan.stage_plans:
+        allowance = graph_allowance(cfg, 32, s.stage, 80 * GB)
+        assert allowance == plan.graph_allowance(s)
+        if plan.stage_checkpoints(s):
+            assert allowance == 0.0
+        else:
+            free = 80 * GB - s.total(False, plan.overhead) - s.act_no_ckpt
+            assert allowance == max(0.0, free)
+        wanted, fit = dataclasses.replace(plan, graph_shapes=48).graph_sets(s)
+        assert wanted == 48 * s.in_flight
+        assert fit == min(int(allowance // s.graph_set_bytes), MAX_GRAPHS // s.layer_ranges, wanted)
+    # a 500-layer stage's graph set keeps its weights' size in gradients: ~0.47 GB in bf16
+    assert plan.stage_plans[3].graph_set_bytes == pytest.approx(
+        plan.stage_plans[3].params * 2, rel=0.05
+    )
+    assert plan_command.main(["--config", "opus100_1000L", "--gpus", "32"]) == 0
+    assert "CUDA graphs" not in capsys.readouterr().out  # off: no graph rows
+    argv = ["--config", "opus100_1000L", "--gpus", "32", "model.cuda_graphs=on"]
+    assert plan_command.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "CUDA graphs (model.cuda_graphs on, up to 48 bucket shapes" in out
+    assert "| 0 | - | - | - | recomputes: eager |" in out and "| 3 | 0.48 | 0.00 | 624 | 0 |" in out

@@ -13,6 +13,7 @@ row (workflows/gpu_check.py).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -32,6 +33,29 @@ from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import cuda_graphs
 from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, install
 from tests.core.helpers import random_tokens, tiny_config
+
+
+def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
+    """planner.StagePlan.graph_set_bytes (what ``tools/plan_memory.py`` and the trainer's
+    allowance count) equals static_bytes over the ranges of a built one-stage model."""
+    from megatron_branchnorm.parallel.planner import plan_run
+
+    rows, length = 4, 6  # both sides: a micro-batch of 24 tokens
+    cfg = load_config("tiny_cpu", ["model.residual=preln"])  # final norms with parameters
+    plan = plan_run(cfg, 1, 80e9, micro_batch_tokens=rows * length)
+    assert plan.precision.name == "fp32" and plan.stage_plans[0].layer_ranges == 2
+    m = dataclasses.replace(cfg.model, vocab_size=plan.model.vocab_size)
+    stage = _stage(m)
+    enc = stage.forward_funcs[1 : 2 + m.encoder_layers]
+    dec = stage.forward_funcs[3 + m.encoder_layers : -1]
+    h = torch.randn(rows, length, m.hidden_size, requires_grad=True)
+    ids = random_tokens(rows, length)
+    built = cuda_graphs.static_bytes(enc, (h, ids, ids)) + cuda_graphs.static_bytes(
+        dec, (h, h, ids)
+    )
+    assert any(p.numel() for f in (enc[-1], dec[-1]) for p in f.parameters())
+    assert plan.stage_plans[0].graph_set_bytes == built
+
 
 CUDA = torch.device("cuda")  # only named: nothing here runs on it
 ELIGIBLE = {
@@ -110,12 +134,12 @@ class FakeFactory:
         return graphed
 
 
-def _install(stage, factory=None, max_graphs=cuda_graphs.MAX_GRAPHS, **kw):
+def _install(stage, factory=None, max_graphs=cuda_graphs.MAX_GRAPHS, memory=float("inf"), **kw):
     lines: list[str] = []
     pools = iter(range(100))
     ranges = install(
         stage, "on", **{**ELIGIBLE, **kw}, log=lines.append, factory=factory or FakeFactory(),
-        new_pool=lambda: next(pools), max_graphs=max_graphs,
+        new_pool=lambda: next(pools), max_graphs=max_graphs, memory=memory,
     )  # fmt: skip
     return ranges, lines
 
@@ -241,6 +265,42 @@ def test_past_the_graph_budget_a_shape_runs_eagerly_said_once() -> None:
     assert len(spent) == 2 and all("(3, 5, 32)" in line for line in spent), lines  # per range
 
 
+def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    enc_layers = stage.forward_funcs[1 : 2 + cfg.encoder_layers]
+    x_enc, _, src, prev = _batch(cfg, 2, 8, 6, 0)
+    enc_bytes = cuda_graphs.static_bytes(enc_layers, (x_enc, src, prev))
+    factory = FakeFactory()
+    _, lines = _install(stage, factory, memory=enc_bytes)  # the encoder range's graph only
+    assert "keeping 0.00 GiB of static buffers" in lines[0], lines
+    for seed in range(cuda_graphs.WARMUP + 2):
+        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, seed))
+    assert len(factory.captures) == 1 and factory.captures[0][0][0] == (2, 8, cfg.hidden_size)
+    spent = [line for line in lines if "graph budget is spent (memory" in line]
+    assert len(spent) == 1 and "layers " in spent[0] and "GiB of the planner" in spent[0], lines
+
+
+def test_static_bytes_are_what_a_graph_keeps_between_replays() -> None:
+    """static_bytes against the buffers :func:`emulated_make_graphed` keeps (make_graphed_
+    callables' contract) plus the one it does not need on a CPU: the output's gradient."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    dec_layers = stage.forward_funcs[3 + cfg.encoder_layers : -1]
+    x_dec, memory = torch.randn(3, 5, cfg.hidden_size), torch.randn(3, 7, cfg.hidden_size)
+    args = (x_dec.requires_grad_(), memory.requires_grad_(), random_tokens(3, 7))
+    sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+    graphed = emulated_make_graphed(LayerRun(dec_layers, as_tuple=True), sample, None)
+    out = graphed(*args)
+    out.float().sum().backward()
+    kept = [*sample, *graphed.static["grads"], graphed.static["out"]]
+    assert len({t.data_ptr() for t in kept}) == len(kept)  # distinct buffers, none counted twice
+    want = sum(t.nbytes for t in kept) + out.nbytes  # + the static gradient of the output
+    assert cuda_graphs.static_bytes(dec_layers, args) == want
+
+
 def test_the_captured_region_passes_the_capture_audit() -> None:
     cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1)
     torch.manual_seed(0)
@@ -300,7 +360,11 @@ def emulated_make_graphed(module: nn.Module, sample: tuple, pool):
             ins = [next(it).detach() if s.requires_grad else None for s in sample]
             return (*ins, *(next(it).detach() for _ in params))
 
-    return lambda *args: Replay.apply(*args, *params)
+    def graphed(*args):
+        return Replay.apply(*args, *params)
+
+    graphed.static = static
+    return graphed
 
 
 def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> list:
