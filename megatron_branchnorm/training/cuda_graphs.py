@@ -1,11 +1,16 @@
 """``model.cuda_graphs``: each stage's encoder and decoder layer stack captured as CUDA graphs,
 forward and backward, once per bucket shape, and replayed (issue 41; docs/design.md §19).
 
-The model does not know (../shared/STYLE.md rule 16): :func:`install` replaces each contiguous
-run of ``EncoderLayerPipe`` / ``DecoderLayerPipe`` / ``FinalNormPipe`` entries of a built
-stage's ``forward_funcs`` (the list DeepSpeed's ``PipelineModule.forward`` calls in order) by
-one :class:`GraphedRange`. The embedding, the tied output projection and the loss stay eager,
-and so do DeepSpeed's send/recv, which run between ``forward`` calls, never inside one.
+The model does not know (../shared/STYLE.md rule 16): :func:`install` gives a built stage a
+second list of entries, its ``forward_funcs`` (the list DeepSpeed's ``PipelineModule.forward``
+calls in order) with each contiguous run of ``EncoderLayerPipe`` / ``DecoderLayerPipe`` /
+``FinalNormPipe`` entries replaced by one :class:`GraphedRange`, and a ``forward`` that runs
+DeepSpeed's own forward over that list. ``forward_funcs`` itself stays as built: DeepSpeed saves
+and loads a stage's weights entry by entry from it (``PipelineModule.save_state_dict`` and
+``load_state_dir`` skip an entry without ``state_dict`` and name files by index), so a range
+there would drop every graphed layer from checkpoints, and a resume would train fresh weights
+without a word. The embedding, the tied output projection and the loss stay eager, and so do
+DeepSpeed's send/recv, which run between ``forward`` calls, never inside one.
 
 A :class:`GraphedRange` per call:
 
@@ -63,7 +68,7 @@ inside the graph from the static ids buffer, not read from a tensor made before 
 Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
 without ``make_graphed_callables(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
 activation checkpointing on the stage (the recompute runs a forward inside the backward),
-``model.compile``, parameter gradients kept in ``.grad`` across micro-batches, module hooks on
+``model.compile``, ``torch_autocast`` in the DeepSpeed JSON, parameter gradients kept in ``.grad`` across micro-batches, module hooks on
 a layer, or no layer to graph on the stage.
 """
 
@@ -107,9 +112,10 @@ def eager_reason(
     checkpoint_interval: int,
     compiled: bool,
     grads_handed_over: bool,
+    autocast: bool = False,
 ) -> str | None:
-    """None when a stage on ``device`` with these settings can be graphed; else the one-line
-    reason it runs eagerly."""
+    """None when a stage on ``device`` with these settings can be graphed (``autocast``: the
+    DeepSpeed JSON turns ``torch_autocast`` on); else the one-line reason it runs eagerly."""
     if device.type != "cuda":
         return f"no CUDA device (the stage runs on {device.type})"
     make = getattr(torch.cuda, "make_graphed_callables", None)
@@ -125,6 +131,11 @@ def eager_reason(
         )
     if compiled:
         return "model.compile=true: the compiled layer bodies are not captured as graphs"
+    if autocast:
+        return (
+            "torch_autocast in the DeepSpeed JSON: autocast keeps a cache of cast weights, "
+            "which make_graphed_callables refuses"
+        )
     if not grads_handed_over:
         return (
             "parameter gradients stay in .grad from one micro-batch to the next (only bf16 "
@@ -294,6 +305,8 @@ class GraphedRange:
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason
+        self.keys.clear()  # graphs already captured free their buffers once none is in flight
+        self.pools.clear()
         self.log(f"cuda graphs: {self.name} runs eagerly: {reason}")
 
     def _graph(self, key: tuple, state: _Key, args: tuple, as_tuple: bool) -> _Graph | None:
@@ -350,6 +363,24 @@ def _hooked(layers: Sequence[nn.Module]) -> str | None:
     return None
 
 
+def _forward_over(module: Any, graphed_funcs: list) -> None:
+    """Give ``module`` a ``forward`` that runs its own over ``graphed_funcs`` in place of its
+    ``forward_funcs``, which every other reader (DeepSpeed's checkpoint save and load) still
+    sees as built (module docstring)."""
+    plain = module.forward
+    module.graphed_funcs = graphed_funcs
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        built = module.forward_funcs
+        module.forward_funcs = graphed_funcs
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            module.forward_funcs = built
+
+    module.forward = forward
+
+
 def install(
     module: nn.Module,
     mode: str,
@@ -360,6 +391,7 @@ def install(
     compiled: bool,
     grads_handed_over: bool,
     log: Callable[[str], None],
+    autocast: bool = False,
     factory: GraphFactory = _graph_factory,
     new_pool: Callable[[], Any] = _new_pool,
     max_graphs: int = MAX_GRAPHS,
@@ -380,6 +412,7 @@ def install(
         checkpoint_interval=checkpoint_interval,
         compiled=compiled,
         grads_handed_over=grads_handed_over,
+        autocast=autocast,
     )
     funcs = module.forward_funcs
     runs = layer_runs(funcs)
@@ -394,12 +427,13 @@ def install(
             log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")
         return []
     budget = GraphBudget(max_graphs, memory)
-    ranges = []
+    ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"
         graphed = GraphedRange(funcs[a:b], log, name, factory, new_pool, budget=budget)
-        funcs[a:b] = [graphed]
+        graphed_funcs[a:b] = [graphed]
         ranges.append(graphed)
+    _forward_over(module, graphed_funcs)
     log(
         f"model.cuda_graphs={mode}: {len(ranges)} layer range(s) captured per bucket shape "
         f"after {WARMUP} eager calls (at most {max_graphs} graphs"

@@ -215,6 +215,7 @@ class Trainer:
             compiled=cfg.model.compile,
             grads_handed_over=bf16_hooks and self.engine.optimizer.immediate_grad_update,
             log=self._stage_log,
+            autocast=bool(self.ds_config.get("torch_autocast", {}).get("enabled")),
             memory=(  # static buffers kept beside the planned run (planner.graph_allowance)
                 graph_allowance(cfg, self.world, module.stage_id, self.device_memory)
                 if cfg.model.cuda_graphs != "off"

@@ -89,6 +89,7 @@ def test_each_reason_to_run_eagerly_is_one_line() -> None:
         "data.bucket_shapes=0": {"bucket_shapes": 0},
         "activation checkpointing on this stage (every 2 layers)": {"checkpoint_interval": 2},
         "model.compile=true": {"compiled": True},
+        "torch_autocast in the DeepSpeed JSON": {"autocast": True},
         "parameter gradients stay in .grad": {"grads_handed_over": False},
     }
     for needle, kw in cases.items():
@@ -111,7 +112,9 @@ def _stage(cfg) -> types.SimpleNamespace:
         return inputs
 
     funcs = [embed, *enc, FinalNormPipe(cfg), dec_embed, *dec, FinalNormPipe(cfg), embed]
-    return types.SimpleNamespace(forward_funcs=funcs, layers=nn.ModuleList(enc + dec))
+    stage = types.SimpleNamespace(forward_funcs=funcs, layers=nn.ModuleList(enc + dec))
+    stage.forward = lambda batch: _forward(stage.forward_funcs, batch)  # as PipelineModule's
+    return stage
 
 
 class FakeFactory:
@@ -154,6 +157,7 @@ def test_on_a_cpu_the_stage_is_left_exactly_as_built() -> None:
         assert install(stage, mode, log=lines.append, **cpu) == []
         assert len(lines) == said, (mode, lines)
         assert all(a is b for a, b in zip(stage.forward_funcs, before, strict=True))
+        assert not hasattr(stage, "graphed_funcs")  # its forward is its own
     assert "model.cuda_graphs=on: layers run eagerly: no CUDA device" in lines[0]
     for kw in (
         {"bucket_shapes": 0},
@@ -193,7 +197,7 @@ def _forward(funcs, batch) -> tuple[torch.Tensor, tuple]:
 def _loss_and_grads(stage, funcs, batch):
     for p in stage.layers.parameters():
         p.grad = None
-    out, enc_out = _forward(funcs, batch)
+    out, enc_out = funcs(batch) if callable(funcs) else _forward(funcs, batch)
     loss = (out.float() ** 2).mean()
     loss.backward()
     grads = [p.grad.clone() for p in stage.layers.parameters()]
@@ -207,9 +211,10 @@ def test_capture_once_per_shape_after_warmup_then_replay_bit_identical() -> None
     eager_funcs = list(stage.forward_funcs)
     factory = FakeFactory()
     ranges, lines = _install(stage, factory)
-    assert len(ranges) == 2 and len(stage.forward_funcs) == len(eager_funcs) - (
+    assert len(ranges) == 2 and len(stage.graphed_funcs) == len(eager_funcs) - (
         cfg.encoder_layers + cfg.decoder_layers
     )
+    assert all(a is b for a, b in zip(stage.forward_funcs, eager_funcs, strict=True))
     assert len(lines) == 1 and "2 layer range(s) captured per bucket shape" in lines[0]
     shapes = [(2, 8, 6)] * (cuda_graphs.WARMUP + 3) + [(3, 5, 4)] * (cuda_graphs.WARMUP + 1)
     for i, shape in enumerate(shapes):
@@ -218,7 +223,7 @@ def test_capture_once_per_shape_after_warmup_then_replay_bit_identical() -> None
         want = _loss_and_grads(stage, eager_funcs, batch)
         for t in batch[:2]:
             t.grad = None
-        got = _loss_and_grads(stage, stage.forward_funcs, batch)
+        got = _loss_and_grads(stage, stage.forward, batch)
         assert torch.equal(got[0], want[0])
         assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True))
@@ -238,17 +243,17 @@ def test_a_second_micro_batch_in_flight_takes_its_own_graph_and_pool() -> None:
     factory = FakeFactory()
     (enc, dec), _ = _install(stage, factory)
     for i in range(cuda_graphs.WARMUP):
-        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, i))
-    outs = [_forward(stage.forward_funcs, _batch(cfg, 2, 8, 6, 10 + i))[0] for i in range(2)]
+        _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, i))
+    outs = [stage.forward(_batch(cfg, 2, 8, 6, 10 + i))[0] for i in range(2)]
     assert [len(k.slots) for k in enc.keys.values()] == [2]  # two forwards before a backward
     assert sorted(enc.pools) == [0, 1] and enc.pools[0] != enc.pools[1]
     for out in outs:
         out.float().pow(2).mean().backward()
     assert not any(g.busy for k in enc.keys.values() for g in k.slots.values())
-    _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, 20))
+    _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, 20))
     assert len(factory.captures) == 4  # slot 0 replayed again, nothing new captured
     with torch.no_grad():  # validation: eager, no capture, nothing in flight
-        _forward(stage.forward_funcs, _batch(cfg, 2, 8, 6, 30))
+        stage.forward(_batch(cfg, 2, 8, 6, 30))
     assert len(factory.captures) == 4 and dec.replays == 3
 
 
@@ -259,7 +264,7 @@ def test_past_the_graph_budget_a_shape_runs_eagerly_said_once() -> None:
     factory = FakeFactory()
     _, lines = _install(stage, factory, max_graphs=2)
     for shape in [(2, 8, 6)] * (cuda_graphs.WARMUP + 1) + [(3, 5, 4)] * (cuda_graphs.WARMUP + 2):
-        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, *shape, 0))
+        _loss_and_grads(stage, stage.forward, _batch(cfg, *shape, 0))
     assert len(factory.captures) == 2
     spent = [line for line in lines if "graph budget is spent" in line]
     assert len(spent) == 2 and all("(3, 5, 32)" in line for line in spent), lines  # per range
@@ -276,7 +281,7 @@ def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:
     _, lines = _install(stage, factory, memory=enc_bytes)  # the encoder range's graph only
     assert "keeping 0.00 GiB of static buffers" in lines[0], lines
     for seed in range(cuda_graphs.WARMUP + 2):
-        _loss_and_grads(stage, stage.forward_funcs, _batch(cfg, 2, 8, 6, seed))
+        _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, seed))
     assert len(factory.captures) == 1 and factory.captures[0][0][0] == (2, 8, cfg.hidden_size)
     spent = [line for line in lines if "graph budget is spent (memory" in line]
     assert len(spent) == 1 and "layers " in spent[0] and "GiB of the planner" in spent[0], lines
@@ -461,6 +466,47 @@ def test_through_the_engine_graphed_equals_eager_and_the_grad_trap_is_refused() 
         forced = _engine_run("fp32", graphs=True, handed_over=True)
         assert forced["loss"] == ref["loss"]
         assert not torch.equal(forced["grads"][-1], ref["grads"][-1])
+
+
+@pytest.mark.distributed
+def test_a_graphed_stage_saves_and_loads_every_layer_as_an_eager_one(tmp_path) -> None:
+    """DeepSpeed saves and loads a stage entry by entry from ``forward_funcs``, skipping entries
+    without ``state_dict``: with the ranges in that list a checkpoint held no layer, and a resume
+    trained fresh weights without a word. The list stays as built; the graphed forward reads
+    the loaded weights."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    from megatron_branchnorm.parallel.partition import partition_plan
+    from megatron_branchnorm.parallel.pipeline import PipeLoss, build_pipeline_module
+    from tests.core.helpers import one_rank_process_group
+
+    cfg = tiny_config(residual="preln")
+    engine = TorchCheckpointEngine()
+
+    def built(seed: int):
+        module = build_pipeline_module(cfg, partition_plan(cfg, 1, "balanced"), seed, PipeLoss(0))
+        module.checkpoint_parallel_write_pipeline = False
+        return module
+
+    with one_rank_process_group():
+        eager, graphed = built(1), built(2)
+        ranges, _ = _install(graphed, FakeFactory())
+        assert len(ranges) == 2
+        eager.save_state_dict(str(tmp_path / "eager"), engine)
+        graphed.save_state_dict(str(tmp_path / "graphed"), engine)
+        names = [sorted(p.name for p in (tmp_path / d).iterdir()) for d in ("eager", "graphed")]
+        assert names[0] == names[1] and len(names[0]) == len(eager.forward_funcs) - 2, names
+        graphed.load_state_dir(str(tmp_path / "eager"), engine)
+        want, got = eager.state_dict(), graphed.state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        ids = random_tokens(2, 5)
+        for module in (eager, graphed):
+            module.train()
+        with torch.enable_grad():
+            outs = [m((ids, ids)).detach() for m in (eager, graphed)]
+        assert torch.equal(*outs) and ranges[0].keys  # the graphed forward ran, same weights
 
 
 def test_gpu_bench_runs_the_graphed_train_py_row_on_cuda_only() -> None:
