@@ -22,8 +22,9 @@ same call the trainer makes), it estimates in bytes:
 * **CUDA graphs' static buffers** (``model.cuda_graphs``; training/cuda_graphs.py,
   docs/design.md §19) -- not part of the peak: what one *graph set* (a graph of every layer
   range of the stage, for one bucket shape and one micro-batch in flight) keeps between replays,
-  and how many sets fit in what the planned peak leaves free once the graphs' own activation
-  pools (as large as the eager activations) are set aside (:func:`graph_allowance`).
+  the parameter-gradient buffers all of a stage's graphs share (its graphed weights' size,
+  once), and how many sets fit in what the planned peak leaves free once the graphs' own
+  activation pools (as large as the eager activations) are set aside (:func:`graph_allowance`).
 
 Precision follows the DeepSpeed JSON the config names (bf16, fp16 or fp32). The pipeline
 bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.
@@ -213,8 +214,10 @@ class StagePlan:
     act_ckpt: float
     loss_workspace: float
     graph_set_bytes: float = 0.0
-    """Static bytes of one graph set (module docstring): each layer range's parameter
-    gradients, and its inputs, outputs and their gradients at ``micro_batch_tokens``."""
+    """Static bytes of one graph set (module docstring): each layer range's inputs, outputs and
+    their gradients at ``micro_batch_tokens``."""
+    graph_grad_bytes: float = 0.0
+    """The shared parameter-gradient buffers of the stage's graphs (its graphed weights)."""
     layer_ranges: int = 0
     """Runs of encoder/decoder layers (with their final norms) a graph set captures."""
 
@@ -298,7 +301,8 @@ class RunPlan:
         wanted = self.graph_shapes * stage.in_flight
         if not stage.graph_set_bytes or not stage.layer_ranges:
             return wanted, 0
-        fit = int(self.graph_allowance(stage) // stage.graph_set_bytes)
+        room = self.graph_allowance(stage) - stage.graph_grad_bytes
+        fit = int(max(room, 0.0) // stage.graph_set_bytes)
         return wanted, min(fit, MAX_GRAPHS // stage.layer_ranges, wanted)
 
     @property
@@ -383,13 +387,14 @@ def _activation_bytes(
 
 def _graph_set(
     m: ModelConfig, kinds: list[str], params: list[int], tokens: int, prec: Precision
-) -> tuple[float, int]:
-    """(static bytes, layer ranges) of one graph set of a stage whose entries are ``kinds``
-    with ``params`` each: per range its parameters' gradient buffers (in the weights' dtype, as
-    ``torch.autograd.grad`` returns them), its hidden states in, out and both gradients, the
-    decoder's encoder output in and its gradient, the int64 token ids passed along."""
+) -> tuple[float, float, int]:
+    """(static bytes of one graph set, shared gradient bytes, layer ranges) of a stage whose
+    entries are ``kinds`` with ``params`` each: per range its hidden states in, out and both
+    gradients, the decoder's encoder output in and its gradient, the int64 token ids passed
+    along; once, its parameters' gradient buffers (in the weights' dtype, as
+    ``torch.autograd.grad`` returns them)."""
     hidden = tokens * m.hidden_size * prec.activation
-    total, ranges, run = 0.0, 0, []
+    total, grads, ranges, run = 0.0, 0.0, 0, []
     for kind, n in [*zip(kinds, params, strict=True), ("", 0)]:
         if kind in GRAPHED_KINDS:
             run.append((kind, n))
@@ -397,10 +402,11 @@ def _graph_set(
         if any(k in ("enc", "dec") for k, _ in run):
             ranges += 1
             decoder = any(k == "dec" for k, _ in run)  # (x, memory, src) in; else (x, src, prev)
-            total += sum(n for _, n in run) * prec.weights + 4 * hidden
+            grads += sum(n for _, n in run) * prec.weights
+            total += 4 * hidden
             total += 2 * hidden + tokens * 8 if decoder else 2 * tokens * 8
         run = []
-    return total, ranges
+    return total, grads, ranges
 
 
 def plan_run(
@@ -459,7 +465,9 @@ def plan_run(
         # "with checkpointing" for a config that has none is reported at interval 1
         every = interval if isinstance(interval, int) and interval > 0 else 1
         _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, every)
-        graph_bytes, ranges = _graph_set(m, kinds, [params[i] for i in chunk], tokens, prec)
+        graph_bytes, graph_grads, ranges = _graph_set(
+            m, kinds, [params[i] for i in chunk], tokens, prec
+        )
         loss = 0.0
         if "output" in kinds:  # logits (act dtype) + fp32 log-softmax + its gradient
             loss = tokens * vocab * (prec.activation + 8)
@@ -477,6 +485,7 @@ def plan_run(
                 act_ckpt=in_flight * with_ckpt,
                 loss_workspace=loss,
                 graph_set_bytes=graph_bytes,
+                graph_grad_bytes=graph_grads,
                 layer_ranges=ranges,
             )
         )
@@ -636,19 +645,21 @@ def _format_graphs(plan: RunPlan) -> list[str]:
     lines = [
         f"CUDA graphs (model.cuda_graphs on, up to {plan.graph_shapes} bucket shapes; "
         "training/cuda_graphs.py): a graph set is every layer range of a stage for one shape "
-        "and one micro-batch in flight; sets that do not fit run eagerly",
+        "and one micro-batch in flight, all sharing the stage's gradient buffers; sets that do "
+        "not fit run eagerly",
         "",
-        "| stage | graph set GB | allowance GB | sets wanted | sets that fit |",
-        "|---:|---:|---:|---:|---:|",
+        "| stage | graph set GB | shared gradients GB | allowance GB | sets wanted "
+        "| sets that fit |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for s in plan.stage_plans:
         if plan.stage_checkpoints(s) or not s.layer_ranges:
             why = "recomputes: eager" if s.layer_ranges else "no layers"
-            lines.append(f"| {s.stage} | - | - | - | {why} |")
+            lines.append(f"| {s.stage} | - | - | - | - | {why} |")
             continue
         wanted, fit = plan.graph_sets(s)
         lines.append(
-            f"| {s.stage} | {_gb(s.graph_set_bytes)} | {_gb(plan.graph_allowance(s))} | "
-            f"{wanted} | {fit} |"
+            f"| {s.stage} | {s.graph_set_bytes / GB:.3f} | {_gb(s.graph_grad_bytes)} | "
+            f"{_gb(plan.graph_allowance(s))} | {wanted} | {fit} |"
         )
     return lines

@@ -20,9 +20,9 @@ A :class:`GraphedRange` per call:
 - runs a key's first ``warmup`` calls eagerly (cuBLAS handles, the allocator, the LayerNorm
   backend choice are made outside any capture), checking that the layers pass every tuple
   element but the first through unchanged;
-- then replays a graph of that key, capturing it first (``torch.cuda.make_graphed_callables``
-  on a fresh wrapper module around the same layers, with clones of the call's inputs as the
-  static input buffers; the call itself then runs by replay).
+- then replays a graph of that key, capturing it first (training/graph_capture.py: a forward
+  and a backward graph of a fresh wrapper module around the same layers, with clones of the
+  call's inputs as the static input buffers; the call itself then runs by replay).
 
 Only the first tuple element, the hidden states, leaves the graph: the ids and the encoder
 output a decoder layer passes on are returned as the very tensors that came in, so their
@@ -37,23 +37,25 @@ captures) the graph of the next free in-flight slot. Graphs of one slot share on
 have their own pools.
 
 Memory. Each graph keeps its own static buffers alive between replays (:func:`static_bytes`):
-its inputs, output and their gradients, and a gradient buffer for every parameter of its range
-(``make_graphed_callables`` returns parameter gradients as graph outputs), so a graph of a deep
-stage's range keeps about its weights' size again. A stage captures at most ``max_graphs``
-graphs (:data:`~megatron_branchnorm.parallel.planner.MAX_GRAPHS`) whose static buffers fit in
+its inputs, output and their gradients. The parameter gradients its backward computes are
+copied into one buffer per parameter shared by every graph of the stage (graph_capture.py),
+counted once per range (:func:`grad_buffer_bytes`: its weights' size; with
+``torch.cuda.make_graphed_callables`` every graph kept a copy of those, ~0.47 GB a graph on a
+deep stage). A stage captures at most ``max_graphs`` graphs
+(:data:`~megatron_branchnorm.parallel.planner.MAX_GRAPHS`) whose static buffers fit in
 ``memory`` bytes: the trainer passes the planner's allowance for the stage (what its planned
 peak leaves free, less a second copy of its in-flight activations, which the slots' pools hold
 apart from the eager allocator: ``planner.graph_allowance``). A key past either bound runs
 eagerly, said once; ``tools/plan_memory.py ... model.cuda_graphs=on`` shows per stage how many
 graph sets fit.
 
-Parameter gradients are graph outputs (``make_graphed_callables`` computes them with
-``torch.autograd.grad`` inside the backward graph); autograd's AccumulateGrad adds them into
-``.grad`` outside the graph, so the first micro-batch's hand-over and the later ones' fp32
-accumulation (DeepSpeed's hooks, training/bf16_grads.py) stay eager, as the capture audit
-requires (experiments/capture_audit.py). The trap: the gradient handed to AccumulateGrad is a
-detached view of the graph's static buffer, and a ``.grad`` that is None *takes* it (no copy),
-so ``.grad`` then aliases memory the graph's next replay overwrites. That is harmless only
+Parameter gradients are graph outputs (computed with ``torch.autograd.grad`` inside the
+backward graph); autograd's AccumulateGrad adds them into ``.grad`` outside the graph, so the
+first micro-batch's hand-over and the later ones' fp32 accumulation (DeepSpeed's hooks,
+training/bf16_grads.py) stay eager, as the capture audit requires
+(experiments/capture_audit.py). The trap: the gradient handed to AccumulateGrad is a detached
+view of the stage's shared gradient buffer, and a ``.grad`` that is None *takes* it (no copy),
+so ``.grad`` then aliases memory the next backward replay overwrites. That is harmless only
 where each gradient leaves ``.grad`` before the next backward (DeepSpeed's bf16 optimizer with
 ``immediate_grad_update``: its post-accumulate hooks add it into the fp32 buffer and set
 ``.grad`` to None, or keep it until the end of that backward: bf16_grads.py); an engine whose
@@ -66,7 +68,7 @@ offset a capture registers and each replay advances. The stage's padding bias ca
 inside the graph from the static ids buffer, not read from a tensor made before the capture.
 
 Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
-without ``make_graphed_callables(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
+without ``torch.cuda.graph(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
 activation checkpointing on the stage (the recompute runs a forward inside the backward),
 ``model.compile``, ``torch_autocast`` in the DeepSpeed JSON, parameter gradients kept in ``.grad`` across micro-batches, module hooks on
 a layer, or no layer to graph on the stage.
@@ -91,6 +93,7 @@ from megatron_branchnorm.parallel.pipeline import (
     StageBias,
 )
 from megatron_branchnorm.parallel.planner import MAX_GRAPHS
+from megatron_branchnorm.training.graph_capture import capture_factory
 
 MODES = CUDA_GRAPH_MODES
 """The values of ``model.cuda_graphs``."""
@@ -118,9 +121,9 @@ def eager_reason(
     DeepSpeed JSON turns ``torch_autocast`` on); else the one-line reason it runs eagerly."""
     if device.type != "cuda":
         return f"no CUDA device (the stage runs on {device.type})"
-    make = getattr(torch.cuda, "make_graphed_callables", None)
-    if make is None or "pool" not in inspect.signature(make).parameters:
-        return f"torch {torch.__version__} has no torch.cuda.make_graphed_callables(pool=...)"
+    graph = getattr(torch.cuda, "graph", None)
+    if graph is None or "pool" not in inspect.signature(graph).parameters:
+        return f"torch {torch.__version__} has no torch.cuda.graph(pool=...)"
     if bucket_shapes == 0:
         return "data.bucket_shapes=0: micro-batch shapes vary and a graph replays fixed shapes"
     if checkpoint_interval > 0:
@@ -134,7 +137,7 @@ def eager_reason(
     if autocast:
         return (
             "torch_autocast in the DeepSpeed JSON: autocast keeps a cache of cast weights, "
-            "which make_graphed_callables refuses"
+            "which a capture would freeze"
         )
     if not grads_handed_over:
         return (
@@ -144,14 +147,6 @@ def eager_reason(
             "replay overwrites"
         )
     return None
-
-
-def _graph_factory(module: nn.Module, sample_args: tuple, pool: Any) -> Callable:
-    """torch's autograd-aware capture of ``module`` (forward and backward graphs); a parameter
-    without a gradient (none in our layers today) gets None rather than an error."""
-    return torch.cuda.make_graphed_callables(
-        module, sample_args, num_warmup_iters=3, allow_unused_input=True, pool=pool
-    )
 
 
 def _new_pool() -> Any:
@@ -175,15 +170,19 @@ class LayerRun(nn.Module):
         return h[0] if isinstance(h, tuple) else h
 
 
-def static_bytes(layers: Sequence[nn.Module], args: Sequence[torch.Tensor]) -> int:
-    """Bytes a graph of ``layers`` captured on ``args`` keeps alive between replays: a
-    gradient buffer per parameter (autograd's, in the parameter's dtype), each static input and
+def static_bytes(args: Sequence[torch.Tensor]) -> int:
+    """Bytes a graph captured on ``args`` keeps alive between replays: each static input and
     the gradient of each that requires one, the output (the hidden states' shape) and its
     gradient (module docstring, "Memory")."""
-    params = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
-    held = sum(p.numel() * p.element_size() for p in params.values())
-    held += sum(a.nbytes * (2 if a.requires_grad else 1) for a in args)
+    held = sum(a.nbytes * (2 if a.requires_grad else 1) for a in args)
     return held + 2 * args[0].nbytes
+
+
+def grad_buffer_bytes(layers: Sequence[nn.Module]) -> int:
+    """Bytes of the shared gradient buffers of ``layers``' parameters (graph_capture.py): one
+    per parameter that requires a gradient, in its dtype, however many graphs use them."""
+    params = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 @dataclass
@@ -234,7 +233,7 @@ class GraphedRange:
         layers: Sequence[nn.Module],
         log: Callable[[str], None],
         name: str,
-        factory: GraphFactory = _graph_factory,
+        factory: GraphFactory,
         new_pool: Callable[[], Any] = _new_pool,
         warmup: int = WARMUP,
         budget: GraphBudget | None = None,
@@ -317,7 +316,7 @@ class GraphedRange:
         graph = state.slots.get(slot)
         if graph is not None:
             return graph
-        need = static_bytes(self.layers, args)
+        need = static_bytes(args) + (0 if self.captures else grad_buffer_bytes(self.layers))
         refusal = self.budget.refusal(need)
         if refusal is not None:
             if not state.said_eager:
@@ -392,7 +391,7 @@ def install(
     grads_handed_over: bool,
     log: Callable[[str], None],
     autocast: bool = False,
-    factory: GraphFactory = _graph_factory,
+    factory: GraphFactory | None = None,
     new_pool: Callable[[], Any] = _new_pool,
     max_graphs: int = MAX_GRAPHS,
     memory: float = math.inf,
@@ -427,6 +426,8 @@ def install(
             log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")
         return []
     budget = GraphBudget(max_graphs, memory)
+    if factory is None:  # the stage's graphs share its parameter-gradient buffers
+        factory = capture_factory({})
     ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"

@@ -139,7 +139,7 @@ def _audit_twice(region, cfg, module: nn.Module) -> list[CaptureAudit]:
         # Parameter gradients start empty, as the bf16 optimizer's hooks leave them after each
         # micro-batch: backward then hands each gradient over (no kernel). Added into an
         # existing .grad (fp32 accumulation over micro-batches) the ops differ from the first
-        # micro-batch's, so a graph must leave the accumulation outside (make_graphed_callables
+        # micro-batch's, so a graph must leave the accumulation outside (training/graph_capture
         # returns parameter gradients as graph outputs).
         module.zero_grad(set_to_none=True)
         with audited() as audit:

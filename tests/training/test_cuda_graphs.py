@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,12 +33,15 @@ from megatron_branchnorm.parallel.pipeline import (
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import cuda_graphs
 from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, install
+from megatron_branchnorm.training.graph_capture import CapturedRange, capture_factory
 from tests.core.helpers import random_tokens, tiny_config
+from tests.training import graph_double
 
 
 def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
-    """planner.StagePlan.graph_set_bytes (what ``tools/plan_memory.py`` and the trainer's
-    allowance count) equals static_bytes over the ranges of a built one-stage model."""
+    """planner.StagePlan's graph set and shared gradient bytes (what ``tools/plan_memory.py``
+    and the trainer's allowance count) equal static_bytes and grad_buffer_bytes over the
+    ranges of a built one-stage model."""
     from megatron_branchnorm.parallel.planner import plan_run
 
     rows, length = 4, 6  # both sides: a micro-batch of 24 tokens
@@ -50,10 +54,10 @@ def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
     dec = stage.forward_funcs[3 + m.encoder_layers : -1]
     h = torch.randn(rows, length, m.hidden_size, requires_grad=True)
     ids = random_tokens(rows, length)
-    built = cuda_graphs.static_bytes(enc, (h, ids, ids)) + cuda_graphs.static_bytes(
-        dec, (h, h, ids)
-    )
+    built = cuda_graphs.static_bytes((h, ids, ids)) + cuda_graphs.static_bytes((h, h, ids))
     assert any(p.numel() for f in (enc[-1], dec[-1]) for p in f.parameters())
+    grads = cuda_graphs.grad_buffer_bytes(enc) + cuda_graphs.grad_buffer_bytes(dec)
+    assert plan.stage_plans[0].graph_grad_bytes == grads
     assert plan.stage_plans[0].graph_set_bytes == built
 
 
@@ -118,7 +122,7 @@ def _stage(cfg) -> types.SimpleNamespace:
 
 
 class FakeFactory:
-    """Stands in for make_graphed_callables: records each capture and returns the wrapper
+    """Stands in for the capture (graph_capture.py): records each capture and returns the wrapper
     module itself (its layers run directly)."""
 
     def __init__(self) -> None:
@@ -276,7 +280,9 @@ def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:
     stage = _stage(cfg)
     enc_layers = stage.forward_funcs[1 : 2 + cfg.encoder_layers]
     x_enc, _, src, prev = _batch(cfg, 2, 8, 6, 0)
-    enc_bytes = cuda_graphs.static_bytes(enc_layers, (x_enc, src, prev))
+    enc_bytes = cuda_graphs.static_bytes((x_enc, src, prev)) + cuda_graphs.grad_buffer_bytes(
+        enc_layers
+    )
     factory = FakeFactory()
     _, lines = _install(stage, factory, memory=enc_bytes)  # the encoder range's graph only
     assert "keeping 0.00 GiB of static buffers" in lines[0], lines
@@ -288,22 +294,57 @@ def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:
 
 
 def test_static_bytes_are_what_a_graph_keeps_between_replays() -> None:
-    """static_bytes against the buffers :func:`emulated_make_graphed` keeps (make_graphed_
-    callables' contract) plus the one it does not need on a CPU: the output's gradient."""
+    """static_bytes against the static tensors a capture keeps, and grad_buffer_bytes against
+    the stage's shared gradient buffers, which a second graph of the range reuses."""
     cfg = tiny_config()
     torch.manual_seed(0)
     stage = _stage(cfg)
     dec_layers = stage.forward_funcs[3 + cfg.encoder_layers : -1]
-    x_dec, memory = torch.randn(3, 5, cfg.hidden_size), torch.randn(3, 7, cfg.hidden_size)
-    args = (x_dec.requires_grad_(), memory.requires_grad_(), random_tokens(3, 7))
-    sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-    graphed = emulated_make_graphed(LayerRun(dec_layers, as_tuple=True), sample, None)
-    out = graphed(*args)
-    out.float().sum().backward()
-    kept = [*sample, *graphed.static["grads"], graphed.static["out"]]
-    assert len({t.data_ptr() for t in kept}) == len(kept)  # distinct buffers, none counted twice
-    want = sum(t.nbytes for t in kept) + out.nbytes  # + the static gradient of the output
-    assert cuda_graphs.static_bytes(dec_layers, args) == want
+    buffers: dict = {}
+    captured = []
+    for rows in (3, 2):
+        x_dec, memory = torch.randn(rows, 5, cfg.hidden_size), torch.randn(rows, 7, cfg.hidden_size)
+        args = (x_dec.requires_grad_(), memory.requires_grad_(), random_tokens(rows, 7))
+        sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        run = LayerRun(dec_layers, as_tuple=True)
+        c = CapturedRange(run, sample, None, buffers, cuda=graph_double)
+        grads_in = [g for g in c.input_grads if g is not None]
+        kept = [*c.static_in, c.static_out, c.static_grad_out, *grads_in]
+        assert len({t.data_ptr() for t in kept}) == len(kept)  # distinct, none counted twice
+        assert cuda_graphs.static_bytes(args) == sum(t.nbytes for t in kept)
+        captured.append(c)
+    assert all(a is b for a, b in zip(*(c.param_grads for c in captured), strict=True))
+    assert sum(b.nbytes for b in buffers.values()) == cuda_graphs.grad_buffer_bytes(dec_layers)
+
+
+def test_the_capture_replays_as_the_eager_layers_compute_bit_for_bit() -> None:
+    """The trainer's capture (graph_capture.py) on the graph double, which replays recorded
+    operators on the captured tensors as a GPU replays kernels: new data, new alpha_t and new
+    weights each micro-batch give the eager losses, input and parameter gradients bit for bit,
+    and each parameter's gradient reaches ``.grad`` through the stage's shared buffer."""
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10)
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    eager_funcs = list(stage.forward_funcs)
+    buffers: dict = {}
+    ranges, _ = _install(stage, capture_factory(buffers, cuda=graph_double))
+    for i in range(cuda_graphs.WARMUP + 4):
+        set_branch_scale(stage.layers, cfg, i + 1)
+        with torch.no_grad():
+            for p in stage.layers.parameters():  # as an optimizer step would, in place
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        batch = _batch(cfg, 2, 8, 6, seed=i)
+        want = _loss_and_grads(stage, eager_funcs, batch)
+        for t in batch[:2]:
+            t.grad = None
+        got = _loss_and_grads(stage, stage.forward, batch)
+        assert torch.equal(got[0], want[0]), i
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True)), i
+        assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True)), i
+    assert [r.replays for r in ranges] == [4, 4] and [r.captures for r in ranges] == [1, 1]
+    shared = {b.data_ptr() for b in buffers.values()}
+    assert len(buffers) == len(list(stage.layers.parameters()))
+    assert {p.grad.data_ptr() for p in stage.layers.parameters()} <= shared  # taken, not copied
 
 
 def test_the_captured_region_passes_the_capture_audit() -> None:
@@ -320,7 +361,7 @@ def test_the_captured_region_passes_the_capture_audit() -> None:
         stage.layers.zero_grad(set_to_none=True)
         grad = torch.randn(3, 6, cfg.hidden_size)
         # the padding-bias cache cold for the first batch, warm with these very ids for the
-        # second (as make_graphed_callables' warm-up leaves it): the region computes the bias
+        # second (as a capture's warm-up leaves it): the region computes the bias
         # itself either way, so a capture never reads a bias made outside the graph
         StageBias.clear() if seed == 1 else StageBias.get(src, x_enc.dtype)
         with audited() as audit:
@@ -333,43 +374,10 @@ def test_the_captured_region_passes_the_capture_audit() -> None:
     assert len(audits[0].calls) > 50
 
 
-def emulated_make_graphed(module: nn.Module, sample: tuple, pool):
-    """make_graphed_callables' contract on a CPU, as far as a caller can see it: the inputs
-    copied into the static ``sample`` tensors, the output in one static buffer and the input
-    and parameter gradients in static buffers that every replay overwrites, handed back as
-    detached views (so AccumulateGrad may take one as ``.grad``); parameter gradients through
-    ``torch.autograd.grad``. A replay of the same graph before the previous one's backward
-    fails (the static inputs were modified in place)."""
-    params = tuple(module.parameters())
-    wrt = [s for s in sample if s.requires_grad] + list(params)
-    static: dict[str, object] = {}
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            for s, x in zip(sample, inputs, strict=False):
-                s.copy_(x)
-            with torch.enable_grad():
-                ctx.out = module(*sample)
-            out = static.setdefault("out", torch.empty_like(ctx.out))
-            out.copy_(ctx.out.detach())
-            return out.detach()
-
-        @staticmethod
-        def backward(ctx, grad):
-            grads = torch.autograd.grad(ctx.out, wrt, grad, allow_unused=True)
-            bufs = static.setdefault("grads", [torch.zeros_like(w) for w in wrt])
-            for b, g in zip(bufs, grads, strict=True):
-                b.zero_() if g is None else b.copy_(g)
-            it = iter(bufs)
-            ins = [next(it).detach() if s.requires_grad else None for s in sample]
-            return (*ins, *(next(it).detach() for _ in params))
-
-    def graphed(*args):
-        return Replay.apply(*args, *params)
-
-    graphed.static = static
-    return graphed
+def on_the_double(*_args) -> Callable:
+    """The trainer's capture (training/graph_capture.py) on the CPU graph double: a fresh
+    stage's factory, its graphs sharing one set of gradient buffers."""
+    return capture_factory({}, cuda=graph_double)
 
 
 def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> list:
@@ -393,7 +401,8 @@ def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> 
 def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
     """Three updates of two micro-batches of one bucket shape through a 1-stage engine (lr 0):
     each update's loss and gradient (norm for bf16, the summed vector for fp32); with
-    ``graphs``, the layer ranges replayed from :func:`emulated_make_graphed` after warm-up."""
+    ``graphs``, the layer ranges replayed from the trainer's capture on the graph double
+    (tests/training/graph_double.py) after warm-up."""
     import deepspeed
 
     from megatron_branchnorm.parallel.partition import partition_plan
@@ -436,7 +445,7 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
     handed = hooks and engine.optimizer.immediate_grad_update  # as the trainer computes it
     if graphs:
         ranges, _ = _install(
-            module, emulated_make_graphed,
+            module, on_the_double(),
             grads_handed_over=handed if handed_over is None else handed_over,
         )  # fmt: skip
     losses, norms = [], []

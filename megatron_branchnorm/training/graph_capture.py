@@ -1,0 +1,127 @@
+"""A layer range's forward and backward as two CUDA graphs, replayed through autograd, with the
+parameter gradients written into buffers that every graph of a stage shares (docs/design.md §19).
+
+Why not ``torch.cuda.make_graphed_callables``: it returns each parameter's gradient as a static
+output of the backward graph, so every graph keeps its own copy of its range's parameter
+gradients: ~0.47 GB per graph on a 74-layer opus100_1000L stage in bf16, and a stage wants a
+graph per bucket shape and micro-batch in flight (``parallel.planner`` counts it). Here the
+backward graph copies each parameter gradient into one buffer per parameter, allocated once per
+stage outside any graph pool (``grad_buffers``), and the replay hands autograd views of those:
+every graph of the stage writes the same memory. That is safe exactly where the graph path is
+used at all: each gradient leaves ``.grad`` within its backward (bf16 with
+``immediate_grad_update``, training/cuda_graphs.eager_reason), so no gradient in a shared buffer
+is needed once the next backward starts.
+
+The capture follows torch's recipe for graphing an autograd region (the CUDA graphs notes of
+torch's documentation): warm-up iterations on a side stream (cuBLAS workspaces, autograd's
+first-call work and the allocator's first blocks made outside any capture; they use
+``torch.autograd.grad``, so ``.grad`` and DeepSpeed's hooks are untouched), then the forward
+captured on the sample inputs, then the backward captured with ``torch.autograd.grad`` from a
+static output gradient, both in the caller's memory pool. A replay copies the call's inputs into
+the static ones (unless they are those very tensors), replays, and returns the static output
+detached; its backward copies the output gradient in, replays the backward graph, and returns
+the static input gradients and the shared parameter gradients, detached.
+
+``cuda`` is the namespace the capture calls (``CUDAGraph``, ``graph``, ``Stream``, ``stream``,
+``current_stream``): ``torch.cuda`` in use, a recording stand-in in the CPU tests
+(tests/training/graph_double.py), which replays the recorded operators on the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+GradBuffers = dict[int, torch.Tensor]
+"""A stage's shared parameter-gradient buffers, by ``id`` of the parameter."""
+
+
+class CapturedRange:
+    """The two graphs of one range and shape, and the static tensors they read and write."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sample_args: Sequence[torch.Tensor],
+        pool: Any,
+        grad_buffers: GradBuffers,
+        warmup_iters: int = 1,
+        cuda: Any = torch.cuda,
+    ) -> None:
+        self.static_in = tuple(sample_args)
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        for p in self.params:
+            if id(p) not in grad_buffers:
+                grad_buffers[id(p)] = torch.empty_like(p)
+        self.param_grads = tuple(grad_buffers[id(p)] for p in self.params)
+        wanting = [a for a in self.static_in if a.requires_grad]
+        wrt = (*wanting, *self.params)
+        side = cuda.Stream()
+        side.wait_stream(cuda.current_stream())
+        with cuda.stream(side):
+            for _ in range(warmup_iters):
+                out = module(*self.static_in)
+                torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+                del out
+        cuda.current_stream().wait_stream(side)
+        self.forward_graph, self.backward_graph = cuda.CUDAGraph(), cuda.CUDAGraph()
+        with cuda.graph(self.forward_graph, pool=pool):
+            self.static_out = module(*self.static_in)
+        self.static_grad_out = torch.empty_like(self.static_out)
+        with cuda.graph(self.backward_graph, pool=pool):
+            grads = torch.autograd.grad(
+                self.static_out, wrt, self.static_grad_out, allow_unused=True
+            )
+            for buffer, g in zip(self.param_grads, grads[len(wanting) :], strict=True):
+                buffer.zero_() if g is None else buffer.copy_(g)
+            firsts = iter(grads[: len(wanting)])
+            self.input_grads = tuple(
+                (_or_zeros(next(firsts), a) if a.requires_grad else None) for a in self.static_in
+            )
+            del grads, firsts
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        """The range on ``args`` (shaped as the sample), by replay, autograd-aware."""
+        return _Replay.apply(self, *args, *self.params)
+
+    def load(self, args: Sequence[torch.Tensor]) -> None:
+        for static, x in zip(self.static_in, args, strict=True):
+            if static.data_ptr() != x.data_ptr():
+                static.copy_(x)
+
+
+def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, captured: CapturedRange, *args: torch.Tensor) -> torch.Tensor:
+        ctx.captured = captured
+        captured.load(args[: len(captured.static_in)])
+        captured.forward_graph.replay()
+        return captured.static_out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        captured: CapturedRange = ctx.captured
+        if captured.static_grad_out.data_ptr() != grad.data_ptr():
+            captured.static_grad_out.copy_(grad)
+        captured.backward_graph.replay()
+        inputs = (None if g is None else g.detach() for g in captured.input_grads)
+        return (None, *inputs, *(g.detach() for g in captured.param_grads))
+
+
+def capture_factory(
+    grad_buffers: GradBuffers, warmup_iters: int = 1, cuda: Any = torch.cuda
+) -> Callable[[nn.Module, tuple, Any], Callable[..., torch.Tensor]]:
+    """A graph factory for training/cuda_graphs.GraphedRange whose graphs share
+    ``grad_buffers`` (one stage's)."""
+
+    def factory(module: nn.Module, sample_args: tuple, pool: Any) -> CapturedRange:
+        return CapturedRange(module, sample_args, pool, grad_buffers, warmup_iters, cuda)
+
+    return factory
