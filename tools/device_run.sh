@@ -82,12 +82,12 @@ export WH="$wh" PY="$py" WHAT="$what"
 step install "${INSTALL_S:-150}" bash -c "$install" || { note "install failed: nothing else ran"; exit 1; }
 
 if [ "$what" != bench ]; then
-    step gpu_check "${CHECK_S:-300}" "$py" tools/gpu_check.py --device "$device" \
+    step gpu_check "${CHECK_S:-360}" "$py" tools/gpu_check.py --device "$device" \
         --workdir "$work/gpu_check" --json "$out/gpu_check.json"
 fi
 if [ "$what" != check ]; then
-    minutes=$(( ${BENCH_S:-450} / 60 - 2 ))  # start no system after this: each takes ~1 min
-    step gpu_bench "${BENCH_S:-450}" "$py" tools/gpu_bench.py --device "$device" \
+    minutes=$(( ${BENCH_S:-420} / 60 - 2 ))  # start no system after this: each takes ~1 min
+    step gpu_bench "${BENCH_S:-420}" "$py" tools/gpu_bench.py --device "$device" \
         --max-minutes "$minutes" --workdir "$work/gpu_bench" --json "$out/gpu_bench.json"
 fi
 note ""

@@ -286,19 +286,23 @@ class RunPlan:
 
     def graph_allowance(self, stage: StagePlan) -> float:
         """Bytes ``stage``'s CUDA graphs may keep in static buffers: one GPU less the stage's
-        planned peak as configured, less a second copy of its in-flight activations (the
-        graphs' memory pools hold them apart from the eager allocator's); 0 on a stage that
-        recomputes (it runs eagerly: training/cuda_graphs.eager_reason)."""
+        planned peak as configured, less what the graphs' memory pools hold apart from the
+        eager allocator's: a second copy of the in-flight activations, or on a stage that
+        recomputes, one micro-batch's activations of all its layers (training/cuda_graphs.py,
+        "Recompute")."""
         if self.stage_checkpoints(stage):
-            return 0.0
-        free = self.gpu_memory - stage.total(False, self.overhead) - stage.act_no_ckpt
+            pools = stage.act_no_ckpt / max(stage.in_flight, 1)
+            free = self.gpu_memory - stage.total(True, self.overhead) - pools
+        else:
+            free = self.gpu_memory - stage.total(False, self.overhead) - stage.act_no_ckpt
         return max(0.0, free)
 
     def graph_sets(self, stage: StagePlan) -> tuple[int, int]:
         """(graph sets ``stage`` needs: every bucket shape times every micro-batch in flight,
-        graph sets its allowance holds), the latter also capped by the graph count
-        (:data:`MAX_GRAPHS` per stage)."""
-        wanted = self.graph_shapes * stage.in_flight
+        or every shape once on a stage that recomputes; graph sets its allowance holds), the
+        latter also capped by the graph count (:data:`MAX_GRAPHS` per stage)."""
+        slots = 1 if self.stage_checkpoints(stage) else stage.in_flight
+        wanted = self.graph_shapes * slots
         if not stage.graph_set_bytes or not stage.layer_ranges:
             return wanted, 0
         room = self.graph_allowance(stage) - stage.graph_grad_bytes
@@ -645,21 +649,21 @@ def _format_graphs(plan: RunPlan) -> list[str]:
     lines = [
         f"CUDA graphs (model.cuda_graphs on, up to {plan.graph_shapes} bucket shapes; "
         "training/cuda_graphs.py): a graph set is every layer range of a stage for one shape "
-        "and one micro-batch in flight, all sharing the stage's gradient buffers; sets that do "
-        "not fit run eagerly",
+        "and one micro-batch in flight (one per shape on a stage that recomputes), all sharing "
+        "the stage's gradient buffers; sets that do not fit run eagerly",
         "",
-        "| stage | graph set GB | shared gradients GB | allowance GB | sets wanted "
-        "| sets that fit |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| stage | graphs per shape | graph set GB | shared gradients GB | allowance GB "
+        "| sets wanted | sets that fit |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in plan.stage_plans:
-        if plan.stage_checkpoints(s) or not s.layer_ranges:
-            why = "recomputes: eager" if s.layer_ranges else "no layers"
-            lines.append(f"| {s.stage} | - | - | - | - | {why} |")
+        if not s.layer_ranges:
+            lines.append(f"| {s.stage} | no layers | - | - | - | - | - |")
             continue
         wanted, fit = plan.graph_sets(s)
+        per = "1 (recomputes)" if plan.stage_checkpoints(s) else f"{s.in_flight} (in flight)"
         lines.append(
-            f"| {s.stage} | {s.graph_set_bytes / GB:.3f} | {_gb(s.graph_grad_bytes)} | "
+            f"| {s.stage} | {per} | {s.graph_set_bytes / GB:.3f} | {_gb(s.graph_grad_bytes)} | "
             f"{_gb(plan.graph_allowance(s))} | {wanted} | {fit} |"
         )
     return lines

@@ -67,11 +67,21 @@ offset a capture registers and each replay advances. The stage's padding bias ca
 (``pipeline.StageBias``) is cleared at the start of the wrapped region, so the bias is computed
 inside the graph from the static ids buffer, not read from a tensor made before the capture.
 
+Recompute. On a stage that checkpoints activations (``pipeline.activation_checkpoint_interval``
+as the trainer resolves it) the ranges recompute themselves, and DeepSpeed's checkpointing of
+the stage is turned off (every checkpointable layer is in a range): a graph's forward keeps
+only its inputs and replays the whole range again right before its backward
+(graph_capture.CapturedRange.recompute), so one graph per shape serves every micro-batch in
+flight; the eager calls (warm-up, past the budget) run the layers through the module's
+checkpoint function in chunks of the interval, as DeepSpeed would (:class:`Recompute`). The
+memory differs from DeepSpeed's chunks: one input per micro-batch in flight instead of one per
+chunk, and one micro-batch's activations of the whole range in the graphs' pool instead of one
+chunk's (``planner.RunPlan.graph_allowance`` sets the pool aside).
+
 Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
 without ``torch.cuda.graph(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
-activation checkpointing on the stage (the recompute runs a forward inside the backward),
-``model.compile``, ``torch_autocast`` in the DeepSpeed JSON, parameter gradients kept in ``.grad`` across micro-batches, module hooks on
-a layer, or no layer to graph on the stage.
+``model.compile``, ``torch_autocast`` in the DeepSpeed JSON, parameter gradients kept in
+``.grad`` across micro-batches, module hooks on a layer, or no layer to graph on the stage.
 """
 
 from __future__ import annotations
@@ -112,7 +122,6 @@ def eager_reason(
     *,
     device: torch.device,
     bucket_shapes: int | str,
-    checkpoint_interval: int,
     compiled: bool,
     grads_handed_over: bool,
     autocast: bool = False,
@@ -126,12 +135,6 @@ def eager_reason(
         return f"torch {torch.__version__} has no torch.cuda.graph(pool=...)"
     if bucket_shapes == 0:
         return "data.bucket_shapes=0: micro-batch shapes vary and a graph replays fixed shapes"
-    if checkpoint_interval > 0:
-        return (
-            f"activation checkpointing on this stage (every {checkpoint_interval} layers) "
-            "recomputes the forward inside the backward, which a captured backward cannot "
-            "replay: the stage pays eager launches, as without graphs"
-        )
     if compiled:
         return "model.compile=true: the compiled layer bodies are not captured as graphs"
     if autocast:
@@ -210,6 +213,49 @@ class GraphBudget:
         self.memory -= need
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """A stage that checkpoints activations: outside a graph its layers run as DeepSpeed's
+    ``PipelineModule.forward`` would run them, chunks of ``interval`` layers each through
+    ``checkpoint`` (the module's ``activation_checkpoint_func``) when every entry of the chunk
+    is a layer; a graph recomputes itself (graph_capture.CapturedRange.recompute)."""
+
+    interval: int
+    checkpoint: Callable[..., Any]
+
+    def run(self, layers: Sequence[nn.Module], inputs: Any) -> Any:
+        for a in range(0, len(layers), self.interval):
+            chunk = layers[a : a + self.interval]
+            if all(isinstance(f, _LAYER_TYPES) for f in chunk):
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+                inputs = self.checkpoint(_chunk_function(chunk), *args)
+            else:
+                for f in chunk:
+                    inputs = f(inputs)
+        return inputs
+
+
+def _chunk_function(chunk: Sequence[nn.Module]) -> Callable[..., Any]:
+    """The layers of ``chunk`` as one function of unpacked arguments (DeepSpeed's
+    ``exec_range_func``: a single argument is passed as itself, several as a tuple)."""
+
+    def run(*inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        for f in chunk:
+            x = f(x)
+        return x
+
+    return run
+
+
+def _returns_tuple(layers: Sequence[nn.Module], as_tuple: bool) -> bool:
+    """Whether ``layers`` called on a tuple (``as_tuple``) return one: all do but the model's
+    last decoder layer (pipeline.DecoderLayerPipe.is_last), after which only a final norm may
+    follow."""
+    last = [f for f in layers if isinstance(f, _LAYER_TYPES)][-1]
+    return as_tuple and not (isinstance(last, DecoderLayerPipe) and last.is_last)
+
+
 @dataclass
 class _Graph:
     fn: Callable[..., torch.Tensor]
@@ -237,8 +283,11 @@ class GraphedRange:
         new_pool: Callable[[], Any] = _new_pool,
         warmup: int = WARMUP,
         budget: GraphBudget | None = None,
+        recompute: Recompute | None = None,
     ) -> None:
         self.layers = list(layers)
+        self.recompute = recompute
+        """Set on a stage that checkpoints: eager calls checkpoint, graphs recompute."""
         self.log = log
         self.name = name
         self.factory = factory
@@ -253,6 +302,8 @@ class GraphedRange:
 
     def eager(self, inputs: Any) -> Any:
         """The layers as DeepSpeed would call them."""
+        if self.recompute is not None and torch.is_grad_enabled():
+            return self.recompute.run(self.layers, inputs)
         for layer in self.layers:
             inputs = layer(inputs)
         return inputs
@@ -272,18 +323,24 @@ class GraphedRange:
         state.calls += 1
         if state.calls <= self.warmup:
             out = self.eager(inputs)
-            self._check_passthrough(args, out, state)
+            if self.recompute is None:
+                self._check_passthrough(args, out, state)
+            else:  # checkpoint's outputs are not the inputs' objects: the layers' types say
+                state.tuple_out = _returns_tuple(self.layers, as_tuple)
             return out
         graph = self._graph(key, state, args, as_tuple)
         if graph is None:
             return self.eager(inputs)
+        self.replays += 1
+        if self.recompute is not None:  # one graph per shape: no activation kept in flight
+            x = graph.fn.recompute(*args)
+            return (x, *args[1:]) if state.tuple_out else x
         x = graph.fn(*args)
         graph.busy = True
         if x.requires_grad:
             x.register_hook(lambda grad, g=graph: self._release(g))
         else:  # nothing will flow back: the graph's buffers are free again after this call
             graph.busy = False
-        self.replays += 1
         return (x, *args[1:]) if state.tuple_out else x
 
     def _release(self, graph: _Graph) -> None:
@@ -312,7 +369,7 @@ class GraphedRange:
         """A free graph of ``key`` (the lowest in-flight slot with none of its graphs busy),
         captured now if that slot has none; None when the stage's graph budget is spent."""
         busy = {s for k in self.keys.values() for s, g in k.slots.items() if g.busy}
-        slot = next(s for s in range(len(busy) + 1) if s not in busy)
+        slot = next(s for s in range(len(busy) + 1) if s not in busy)  # 0 when recomputing
         graph = state.slots.get(slot)
         if graph is not None:
             return graph
@@ -399,8 +456,11 @@ def install(
     """Graph ``module``'s layer runs (a built stage: its ``forward_funcs``) as ``mode`` says;
     ``grads_handed_over``: each parameter's gradient leaves ``.grad`` as soon as backward has
     written it (module docstring, "Parameter gradients"); ``memory``: bytes the stage's graphs
-    may keep in static buffers (module docstring, "Memory"); returns the ranges installed (none: the stage runs eagerly, and unless ``mode`` is off, or
-    auto on a machine without CUDA, one line through ``log`` says why)."""
+    may keep in static buffers (module docstring, "Memory"); ``checkpoint_interval`` > 0: the
+    stage recomputes activations, and its ranges do it themselves (module docstring,
+    "Recompute"; DeepSpeed's own checkpointing of the stage is turned off). Returns the ranges
+    installed (none: the stage runs eagerly, and unless ``mode`` is off, or auto on a machine
+    without CUDA, one line through ``log`` says why)."""
     if mode not in MODES:
         raise ValueError(f"model.cuda_graphs: unknown mode {mode!r}")
     if mode == "off":
@@ -408,7 +468,6 @@ def install(
     reason = eager_reason(
         device=device,
         bucket_shapes=bucket_shapes,
-        checkpoint_interval=checkpoint_interval,
         compiled=compiled,
         grads_handed_over=grads_handed_over,
         autocast=autocast,
@@ -428,16 +487,24 @@ def install(
     budget = GraphBudget(max_graphs, memory)
     if factory is None:  # the stage's graphs share its parameter-gradient buffers
         factory = capture_factory({})
+    recompute = None
+    if checkpoint_interval > 0:
+        recompute = Recompute(checkpoint_interval, module.activation_checkpoint_func)
     ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"
-        graphed = GraphedRange(funcs[a:b], log, name, factory, new_pool, budget=budget)
+        graphed = GraphedRange(
+            funcs[a:b], log, name, factory, new_pool, budget=budget, recompute=recompute
+        )
         graphed_funcs[a:b] = [graphed]
         ranges.append(graphed)
     _forward_over(module, graphed_funcs)
+    if recompute is not None:  # every layer of the stage is in a range, which recomputes
+        module.set_checkpoint_interval(0)
+    how = "recomputed in the backward, " if recompute else ""
     log(
         f"model.cuda_graphs={mode}: {len(ranges)} layer range(s) captured per bucket shape "
-        f"after {WARMUP} eager calls (at most {max_graphs} graphs"
+        f"{how}after {WARMUP} eager calls (at most {max_graphs} graphs"
         + (
             f" keeping {memory / 2**30:.2f} GiB of static buffers)"
             if math.isfinite(memory)

@@ -10,7 +10,10 @@ stage outside any graph pool (``grad_buffers``), and the replay hands autograd v
 every graph of the stage writes the same memory. That is safe exactly where the graph path is
 used at all: each gradient leaves ``.grad`` within its backward (bf16 with
 ``immediate_grad_update``, training/cuda_graphs.eager_reason), so no gradient in a shared buffer
-is needed once the next backward starts.
+is needed once the next backward starts. It also takes that a backward call replays each range
+once, as DeepSpeed's (one micro-batch per backward): two replays of one range in a single
+backward call would overwrite its static input gradients and the shared parameter gradients
+before autograd had consumed the first's.
 
 The capture follows torch's recipe for graphing an autograd region (the CUDA graphs notes of
 torch's documentation): warm-up iterations on a side stream (cuBLAS workspaces, autograd's
@@ -22,9 +25,18 @@ the static ones (unless they are those very tensors), replays, and returns the s
 detached; its backward copies the output gradient in, replays the backward graph, and returns
 the static input gradients and the shared parameter gradients, detached.
 
+Recompute (:meth:`CapturedRange.recompute`), for a stage that checkpoints activations: the
+forward replays the same forward graph and returns a copy of its output, keeping only the
+call's inputs and the random-number state; the backward restores that state, copies the inputs
+in again, replays the forward graph (the recompute: the same kernels, so the same dropout masks
+as the forward drew) and the backward graph right after it, and puts the state back. As a
+graph's saved activations are needed only between those two back-to-back replays, one graph per
+shape serves every micro-batch in flight (no in-flight slots), all in one pool.
+
 ``cuda`` is the namespace the capture calls (``CUDAGraph``, ``graph``, ``Stream``, ``stream``,
-``current_stream``): ``torch.cuda`` in use, a recording stand-in in the CPU tests
-(tests/training/graph_double.py), which replays the recorded operators on the same tensors.
+``current_stream``, ``get_rng_state``, ``set_rng_state``): ``torch.cuda`` in use, a recording
+stand-in in the CPU tests (tests/training/graph_double.py), which replays the recorded
+operators on the same tensors.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ class CapturedRange:
         warmup_iters: int = 1,
         cuda: Any = torch.cuda,
     ) -> None:
+        self.cuda = cuda
         self.static_in = tuple(sample_args)
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         for p in self.params:
@@ -87,6 +100,11 @@ class CapturedRange:
         """The range on ``args`` (shaped as the sample), by replay, autograd-aware."""
         return _Replay.apply(self, *args, *self.params)
 
+    def recompute(self, *args: torch.Tensor) -> torch.Tensor:
+        """The range on ``args`` keeping no activation until the backward, which recomputes
+        them (module docstring, "Recompute")."""
+        return _RecomputeReplay.apply(self, *args, *self.params)
+
     def load(self, args: Sequence[torch.Tensor]) -> None:
         for static, x in zip(self.static_in, args, strict=True):
             if static.data_ptr() != x.data_ptr():
@@ -107,12 +125,40 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _backward_replay(ctx.captured, grad)
+
+
+def _backward_replay(captured: CapturedRange, grad: torch.Tensor) -> tuple:
+    """The backward graph on ``grad``: (None for the captured object, each input's gradient,
+    each parameter's, the latter in the stage's shared buffers)."""
+    if captured.static_grad_out.data_ptr() != grad.data_ptr():
+        captured.static_grad_out.copy_(grad)
+    captured.backward_graph.replay()
+    inputs = (None if g is None else g.detach() for g in captured.input_grads)
+    return (None, *inputs, *(g.detach() for g in captured.param_grads))
+
+
+class _RecomputeReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, captured: CapturedRange, *args: torch.Tensor) -> torch.Tensor:
+        inputs = args[: len(captured.static_in)]
+        ctx.captured = captured
+        ctx.rng = captured.cuda.get_rng_state()
+        ctx.save_for_backward(*inputs)
+        captured.load(inputs)
+        captured.forward_graph.replay()
+        return captured.static_out.clone()  # the next forward replay overwrites static_out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         captured: CapturedRange = ctx.captured
-        if captured.static_grad_out.data_ptr() != grad.data_ptr():
-            captured.static_grad_out.copy_(grad)
-        captured.backward_graph.replay()
-        inputs = (None if g is None else g.detach() for g in captured.input_grads)
-        return (None, *inputs, *(g.detach() for g in captured.param_grads))
+        cuda = captured.cuda
+        now = cuda.get_rng_state()
+        cuda.set_rng_state(ctx.rng)  # the recompute draws the forward's dropout masks
+        captured.load(ctx.saved_tensors)
+        captured.forward_graph.replay()
+        cuda.set_rng_state(now)
+        return _backward_replay(captured, grad)
 
 
 def capture_factory(

@@ -338,26 +338,41 @@ GRAPHS_RUN = ["model.dropout=0.0", "data.bucket_shapes=2", "train.micro_batches=
 shapes, so most of the 16 micro-batches replay a graph past the 2 eager calls per shape)."""
 
 
+GRAPH_VARIANTS = {
+    "in-flight graphs": [],
+    "recomputing stage": ["pipeline.activation_checkpoint_interval=1", "train.max_steps=6"],
+}
+"""The graphed path's two modes (training/cuda_graphs.py): graphs per micro-batch in flight, and
+a stage that checkpoints, whose graphs recompute in the backward."""
+
+
 def cuda_graph_rows(device: str, work: Path) -> list[Row]:
-    """train.py with ``model.cuda_graphs=on`` against ``off`` (training/cuda_graphs.py), 8
-    updates in bf16 + ZeRO-1: the losses within bf16's loss tolerance (docs/design.md §5, as
-    the precision rows), and the graphed run's log saying its layers were captured."""
-    name = "CUDA graphs: graphed run vs eager, 8 updates, bf16: loss"
-    if device != "cuda":
-        return [Row(name, "not run: no CUDA device")]
-    _launch(1, [*GRAPHS_RUN, "model.cuda_graphs=off"], work / "graphs_off", timeout=900)
-    try:
-        _launch(1, [*GRAPHS_RUN, "model.cuda_graphs=on"], work / "graphs_on", timeout=900)
-    except RuntimeError as exc:  # the graphed run failed: this row fails, the table goes on
-        return [Row(name, f"the graphed run failed: {str(exc)[-300:]}", "", False)]
-    ref = {r["step"]: r["loss"] for r in _updates(work / "graphs_off")}
-    got = {r["step"]: r["loss"] for r in _updates(work / "graphs_on")}
-    worst = max(_rel(got[s], ref[s]) for s in ref) if ref and set(got) == set(ref) else math.inf
-    log = (work / "graphs_on.rank0.log").read_text()
-    captured = "first graph captured" in log
-    tol = TOL["bf16"]["loss"]
-    return [Row(name, f"{worst:.1e}" + ("" if captured else " (the layers ran eagerly: see the log)"),
-                f"{tol:g}", worst <= tol and captured)]  # fmt: skip
+    """train.py with ``model.cuda_graphs=on`` against ``off`` (training/cuda_graphs.py) in
+    bf16 + ZeRO-1, without and with activation checkpointing: the losses within bf16's loss
+    tolerance (docs/design.md §5, as the precision rows), and the graphed run's log saying its
+    layers were captured."""
+    rows = []
+    for variant, extra in GRAPH_VARIANTS.items():
+        name = f"CUDA graphs ({variant}): graphed run vs eager, bf16: loss"
+        if device != "cuda":
+            rows.append(Row(name, "not run: no CUDA device"))
+            continue
+        tag = variant.split()[0].replace("-", "_")
+        _launch(1, [*GRAPHS_RUN, *extra, "model.cuda_graphs=off"], work / f"{tag}_off", 900)
+        try:
+            _launch(1, [*GRAPHS_RUN, *extra, "model.cuda_graphs=on"], work / f"{tag}_on", 900)
+        except RuntimeError as exc:  # the graphed run failed: this row fails, the table goes on
+            rows.append(Row(name, f"the graphed run failed: {str(exc)[-300:]}", "", False))
+            continue
+        ref = {r["step"]: r["loss"] for r in _updates(work / f"{tag}_off")}
+        got = {r["step"]: r["loss"] for r in _updates(work / f"{tag}_on")}
+        same = ref and set(got) == set(ref)
+        worst = max(_rel(got[s], ref[s]) for s in ref) if same else math.inf
+        captured = "first graph captured" in (work / f"{tag}_on.rank0.log").read_text()
+        tol = TOL["bf16"]["loss"]
+        rows.append(Row(name, f"{worst:.1e}" + ("" if captured else " (the layers ran eagerly: see the log)"),
+                        f"{tol:g}", worst <= tol and captured))  # fmt: skip
+    return rows
 
 
 def launch_rows(device: str) -> list[Row]:

@@ -1,5 +1,6 @@
 """A CPU stand-in for the part of ``torch.cuda`` a capture uses (``CUDAGraph``, ``graph``,
-``Stream``, ``stream``, ``current_stream``), faithful in what a caller can see of a graph.
+``Stream``, ``stream``, ``current_stream``, ``get_rng_state``, ``set_rng_state``), faithful in
+what a caller can see of a graph.
 
 Capturing records every ATen operator the region runs (a ``TorchDispatchMode`` sees all of
 them, the backward's included) with the very tensors it read and wrote; a replay runs the
@@ -78,3 +79,12 @@ def current_stream() -> Stream:
 @contextlib.contextmanager
 def stream(s: Stream) -> Iterator[None]:
     yield
+
+
+def get_rng_state() -> torch.Tensor:
+    """The generator a replay's random operators draw from (here the CPU's)."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    torch.set_rng_state(state)

@@ -83,7 +83,8 @@ def test_the_switch_takes_off_on_auto_and_refuses_the_rest() -> None:
 
 
 def _reason(**kw) -> str | None:
-    return eager_reason(**{**ELIGIBLE, **kw})
+    settings = {k: v for k, v in {**ELIGIBLE, **kw}.items() if k != "checkpoint_interval"}
+    return eager_reason(**settings)
 
 
 def test_each_reason_to_run_eagerly_is_one_line() -> None:
@@ -91,7 +92,6 @@ def test_each_reason_to_run_eagerly_is_one_line() -> None:
     cases = {
         "no CUDA device": {"device": torch.device("cpu")},
         "data.bucket_shapes=0": {"bucket_shapes": 0},
-        "activation checkpointing on this stage (every 2 layers)": {"checkpoint_interval": 2},
         "model.compile=true": {"compiled": True},
         "torch_autocast in the DeepSpeed JSON": {"autocast": True},
         "parameter gradients stay in .grad": {"grads_handed_over": False},
@@ -118,6 +118,17 @@ def _stage(cfg) -> types.SimpleNamespace:
     funcs = [embed, *enc, FinalNormPipe(cfg), dec_embed, *dec, FinalNormPipe(cfg), embed]
     stage = types.SimpleNamespace(forward_funcs=funcs, layers=nn.ModuleList(enc + dec))
     stage.forward = lambda batch: _forward(stage.forward_funcs, batch)  # as PipelineModule's
+    stage.activation_checkpoint_interval, stage.checkpointed = 0, []
+
+    def checkpoint(function, *args):
+        stage.checkpointed.append(tuple(tuple(a.shape) for a in args))
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+    def set_checkpoint_interval(interval: int) -> None:
+        stage.activation_checkpoint_interval = interval
+
+    stage.activation_checkpoint_func = checkpoint
+    stage.set_checkpoint_interval = set_checkpoint_interval
     return stage
 
 
@@ -165,7 +176,6 @@ def test_on_a_cpu_the_stage_is_left_exactly_as_built() -> None:
     assert "model.cuda_graphs=on: layers run eagerly: no CUDA device" in lines[0]
     for kw in (
         {"bucket_shapes": 0},
-        {"checkpoint_interval": 1},
         {"compiled": True},
         {"grads_handed_over": False},
     ):
@@ -398,7 +408,7 @@ def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> 
     return items
 
 
-def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
+def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None, interval: int = 0):
     """Three updates of two micro-batches of one bucket shape through a 1-stage engine (lr 0):
     each update's loss and gradient (norm for bf16, the summed vector for fp32); with
     ``graphs``, the layer ranges replayed from the trainer's capture on the graph double
@@ -425,6 +435,7 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
     loss_fn = PipeLoss(0.1)
     module = build_pipeline_module(cfg.model, partition_plan(cfg.model, 1, "balanced"), 1, loss_fn)
     set_branch_scale(module, cfg.model, 3)
+    module.set_checkpoint_interval(interval)  # as the trainer does before the engine
     grads: list[torch.Tensor] = []
 
     class Recording(SkipNonfiniteAdamW):
@@ -445,7 +456,7 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
     handed = hooks and engine.optimizer.immediate_grad_update  # as the trainer computes it
     if graphs:
         ranges, _ = _install(
-            module, on_the_double(),
+            module, on_the_double(), checkpoint_interval=interval,
             grads_handed_over=handed if handed_over is None else handed_over,
         )  # fmt: skip
     losses, norms = [], []
@@ -455,7 +466,10 @@ def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None):
         loss_fn.scale = 2 / sum(int((y != PAD_ID).sum()) for _, y in items)
         losses.append(float(engine.train_batch(data_iter=iter(items))))
         norms.append(float(engine.get_global_grad_norm()) if precision == "bf16" else None)
-    return {"loss": losses, "norm": norms, "grads": grads, "ranges": ranges, "handed": handed}
+    return {
+        "loss": losses, "norm": norms, "grads": grads, "ranges": ranges, "handed": handed,
+        "interval": module.activation_checkpoint_interval,
+    }  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -516,6 +530,69 @@ def test_a_graphed_stage_saves_and_loads_every_layer_as_an_eager_one(tmp_path) -
         with torch.enable_grad():
             outs = [m((ids, ids)).detach() for m in (eager, graphed)]
         assert torch.equal(*outs) and ranges[0].keys  # the graphed forward ran, same weights
+
+
+def _handed_over_backward(stage, out: torch.Tensor) -> list[torch.Tensor]:
+    """One micro-batch's backward, as DeepSpeed runs it (a backward call of its own), with the
+    parameter gradients taken out of ``.grad`` right after, as the bf16 hand-over does."""
+    for p in stage.layers.parameters():
+        p.grad = None
+    out.float().pow(2).mean().backward()
+    return [p.grad.clone() for p in stage.layers.parameters()]
+
+
+def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager() -> None:
+    """On a stage that checkpoints, the ranges recompute themselves: two micro-batches in flight
+    share one graph per range, DeepSpeed's checkpointing of the stage is off, the warm-up calls
+    go through the stage's checkpoint function chunk by chunk, and with dropout every replayed
+    micro-batch's loss and gradients equal the eager layers' from the same random state (the
+    recompute draws the forward's masks)."""
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1)
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    eager_funcs = list(stage.forward_funcs)
+    stage.set_checkpoint_interval(1)
+    ranges, lines = _install(stage, on_the_double(), checkpoint_interval=1)
+    assert stage.activation_checkpoint_interval == 0 and "recomputed in the backward" in lines[0]
+    for i in range(cuda_graphs.WARMUP):  # eager, through checkpoint, one layer a chunk
+        _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, i))
+    layers = cfg.encoder_layers + cfg.decoder_layers
+    assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers
+    compared = 0
+    for i in range(4):
+        set_branch_scale(stage.layers, cfg, i + 1)
+        batches = [_batch(cfg, 2, 8, 6, 10 + 2 * i + j) for j in range(2)]
+        states, outs, captures = [], [], sum(r.captures for r in ranges)
+        for batch in batches:  # two forwards in flight, then their backwards
+            states.append(torch.get_rng_state())
+            outs.append(stage.forward(batch)[0])
+        got = [_handed_over_backward(stage, out) for out in outs]
+        if sum(r.captures for r in ranges) != captures:
+            continue  # a capture drew random numbers before the replay: not comparable
+        want_outs = []
+        for state, batch in zip(states, batches, strict=True):
+            torch.set_rng_state(state)
+            want_outs.append(_forward(eager_funcs, tuple(t.detach() for t in batch))[0])
+        for got_out, want_out in zip(outs, want_outs, strict=True):
+            assert torch.equal(got_out, want_out), i
+        want = [_handed_over_backward(stage, out) for out in want_outs]
+        for a, b in zip(got, want, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), i
+        compared += 1
+    assert compared >= 3 and [r.captures for r in ranges] == [1, 1]
+    assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
+
+
+@pytest.mark.distributed
+def test_through_the_engine_a_recomputing_graphed_stage_equals_eager_checkpointing() -> None:
+    from tests.core.helpers import one_rank_process_group
+
+    with one_rank_process_group():
+        eager = _engine_run("bf16", graphs=False, interval=1)
+        graphed = _engine_run("bf16", graphs=True, interval=1)
+    assert eager["interval"] == 1 and graphed["interval"] == 0
+    assert [r.replays for r in graphed["ranges"]] == [4, 4]
+    assert graphed["loss"] == eager["loss"] and graphed["norm"] == eager["norm"]
 
 
 def test_gpu_bench_runs_the_graphed_train_py_row_on_cuda_only() -> None:
