@@ -394,6 +394,13 @@ class GraphedRange:
         if self.captures == 1:
             shapes = ", ".join(str(tuple(a.shape)) for a in args)
             self.log(f"cuda graphs: {self.name}: first graph captured, inputs of shapes {shapes}")
+        if self.captures & (self.captures - 1) == 0 and torch.cuda.is_available():
+            # 1, 2, 4, ... graphs: what the pools and buffers really take (a pool shared by
+            # several shapes may grow past one micro-batch's activations: design §19)
+            self.log(
+                f"cuda graphs: {self.name}: {self.captures} graph(s) captured, "
+                f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved on the device"
+            )
         return graph
 
 
