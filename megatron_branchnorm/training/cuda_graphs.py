@@ -79,7 +79,7 @@ chunk, and one micro-batch's activations of the whole range in the graphs' pool 
 chunk's (``planner.RunPlan.graph_allowance`` sets the pool aside).
 
 Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
-without ``torch.cuda.graph(pool=...)``, ``data.bucket_shapes=0`` (shapes vary),
+without ``torch.cuda.graph(pool=, capture_error_mode=)``, ``data.bucket_shapes=0`` (shapes vary),
 ``model.compile``, ``torch_autocast`` in the DeepSpeed JSON, parameter gradients kept in
 ``.grad`` across micro-batches, module hooks on a layer, or no layer to graph on the stage.
 """
@@ -131,8 +131,9 @@ def eager_reason(
     if device.type != "cuda":
         return f"no CUDA device (the stage runs on {device.type})"
     graph = getattr(torch.cuda, "graph", None)
-    if graph is None or "pool" not in inspect.signature(graph).parameters:
-        return f"torch {torch.__version__} has no torch.cuda.graph(pool=...)"
+    wanted = {"pool", "capture_error_mode"}
+    if graph is None or not wanted <= set(inspect.signature(graph).parameters):
+        return f"torch {torch.__version__} has no torch.cuda.graph(pool=, capture_error_mode=)"
     if bucket_shapes == 0:
         return "data.bucket_shapes=0: micro-batch shapes vary and a graph replays fixed shapes"
     if compiled:

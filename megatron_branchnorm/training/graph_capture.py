@@ -47,6 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
+CAPTURE_MODE = "thread_local"
+"""The capture refuses unsafe CUDA calls of this thread only: ProcessGroupNCCL's watchdog thread
+polls events of earlier collectives, which a "global" capture would take as an error (torch
+pull requests 104487, 104555 and 148594 on that race)."""
+
 GradBuffers = dict[int, torch.Tensor]
 """A stage's shared parameter-gradient buffers, by ``id`` of the parameter."""
 
@@ -81,10 +86,10 @@ class CapturedRange:
                 del out
         cuda.current_stream().wait_stream(side)
         self.forward_graph, self.backward_graph = cuda.CUDAGraph(), cuda.CUDAGraph()
-        with cuda.graph(self.forward_graph, pool=pool):
+        with cuda.graph(self.forward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
             self.static_out = module(*self.static_in)
         self.static_grad_out = torch.empty_like(self.static_out)
-        with cuda.graph(self.backward_graph, pool=pool):
+        with cuda.graph(self.backward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
             grads = torch.autograd.grad(
                 self.static_out, wrt, self.static_grad_out, allow_unused=True
             )

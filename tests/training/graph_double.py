@@ -56,8 +56,12 @@ class CUDAGraph:
 
 
 @contextlib.contextmanager
-def graph(cuda_graph: CUDAGraph, pool: Any = None) -> Iterator[None]:
-    """Capture into ``cuda_graph`` (``pool`` is accepted and, here, has no effect)."""
+def graph(
+    cuda_graph: CUDAGraph, pool: Any = None, capture_error_mode: str = "global"
+) -> Iterator[None]:
+    """Capture into ``cuda_graph`` (``pool`` and ``capture_error_mode`` are checked as torch
+    would and, here, have no effect)."""
+    assert capture_error_mode in ("global", "thread_local", "relaxed"), capture_error_mode
     record = _Record()
     with record:
         yield
