@@ -12,6 +12,7 @@
 #     bash tools/device_run.sh check    # install + the GPU check        (~1 + 4 min)
 #     bash tools/device_run.sh bench    # install + gpu-bench            (~1 + 7 min)
 #     bash tools/device_run.sh all      # both, when one call has time for them
+#     bash tools/device_run.sh graphs   # install + graphs on a deep recomputing stage (~1 + 4 min)
 #
 # Settings (environment): OUT (default ./device-out; it receives summary.md, logs.tgz and the
 # tools' JSON rows: four files), WORK (default ./device-work: the tools' workdirs), WHEELHOUSE (default wheelhouse),
@@ -19,11 +20,14 @@
 # --system-site-packages so that it sees that torch, and the wheels go there, not into a
 # system Python that refuses them; `none` installs into PYTHON itself, as the CPU rehearsal
 # does with .venv/bin/python), DEVICE (auto; `cpu` rehearses the script on the CPU with the
-# tools' small modes), CHECK_S / BENCH_S / INSTALL_S (each step's limit in seconds).
+# tools' small modes), CHECK_S / BENCH_S / GRAPHS_S / INSTALL_S (each step's limit in seconds).
+# `graphs` times train.py eager against train.py+graphs with a deeper stack that recomputes
+# (GRAPHS_LAYERS per side, 24 by default, pipeline.activation_checkpoint_interval=1): the kind
+# of stage the first stages of opus100_1000L are (docs/design.md §19, "Recompute").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-case "$what" in check|bench|all) ;; *) echo "usage: $0 check|bench|all" >&2; exit 2 ;; esac
+case "$what" in check|bench|all|graphs) ;; *) echo "usage: $0 check|bench|all|graphs" >&2; exit 2 ;; esac
 out=${OUT:-device-out}
 wh=${WHEELHOUSE:-wheelhouse}
 py=${PYTHON:-python3}
@@ -81,11 +85,18 @@ fi
 export WH="$wh" PY="$py" WHAT="$what"
 step install "${INSTALL_S:-150}" bash -c "$install" || { note "install failed: nothing else ran"; exit 1; }
 
-if [ "$what" != bench ]; then
+if [ "$what" = check ] || [ "$what" = all ]; then
     step gpu_check "${CHECK_S:-360}" "$py" tools/gpu_check.py --device "$device" \
         --workdir "$work/gpu_check" --json "$out/gpu_check.json"
 fi
-if [ "$what" != check ]; then
+if [ "$what" = graphs ]; then
+    layers=${GRAPHS_LAYERS:-24}
+    step gpu_bench_graphs "${GRAPHS_S:-240}" "$py" tools/gpu_bench.py --device "$device" \
+        --systems train.py,train.py+graphs --tokens 4096 --max-minutes 3 --layers "$layers" \
+        --override pipeline.activation_checkpoint_interval=1 \
+        --workdir "$work/gpu_bench_graphs" --json "$out/gpu_bench_graphs.json"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
     minutes=$(( ${BENCH_S:-420} / 60 - 2 ))  # start no system after this: each takes ~1 min
     step gpu_bench "${BENCH_S:-420}" "$py" tools/gpu_bench.py --device "$device" \
         --max-minutes "$minutes" --workdir "$work/gpu_bench" --json "$out/gpu_bench.json"

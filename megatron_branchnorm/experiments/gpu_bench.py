@@ -647,6 +647,9 @@ def _main(argv: list[str] | None) -> int:
         "--workdir", default=None, help="logs and the runs' save_dirs (default: a temp dir)"
     )
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--layers", type=int_flag(1, 1000), default=None,
+                   help="encoder and decoder layers of every system (default: 12 on a GPU, "
+                        "1 on the CPU)")  # fmt: skip
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -672,6 +675,9 @@ def _main(argv: list[str] | None) -> int:
     if not tokens or min(tokens) < LENGTH:
         p.error(f"--tokens: each must be at least {LENGTH} (one sentence), got {a.tokens!r}")
     updates = a.updates or (40 if device == "cuda" else 6)
+    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
+    if a.layers:
+        shape = dataclasses.replace(shape, layers=a.layers)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="mbn_gpu_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     from megatron_branchnorm.training.environment import setup_process_env
@@ -686,7 +692,7 @@ def _main(argv: list[str] | None) -> int:
         bench = run_bench(
             device, tokens, updates, systems, work, list(a.override),
             log=lambda line: print(line, flush=True),
-            max_minutes=a.max_minutes or (7.0 if device == "cuda" else math.inf),
+            max_minutes=a.max_minutes or (7.0 if device == "cuda" else math.inf), shape=shape,
         )  # fmt: skip
     print(format_table(bench, device))
     print(f"\nlogs: {log_path}")
