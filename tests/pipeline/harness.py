@@ -9,6 +9,9 @@ how often backward walks through its first encoder layer. Once more with bucket 
 (:func:`bucket_items`: 3 micro-batches padded to two fixed shapes, padding rows included, sent
 as fixed shapes) against the unpadded flat model. Then three
 Trainer runs (2 stages, dropout 0): 20 steps uninterrupted, 10 steps, and a resume to 20.
+CUDA graphs across two stages (training/cuda_graphs.py on the CPU graph double,
+tests/training/graph_engine.py): 3 bf16 updates of 4 micro-batches (2 in flight on stage 0)
+eager, graphed per micro-batch in flight, and graphed recomputing at interval 1.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed
 import torch
@@ -213,6 +218,26 @@ def trainer_run(workdir: Path, name: str, steps: int, extra: tuple[str, ...] = (
     Trainer(cfg).train()
 
 
+def graph_runs() -> dict:
+    """Eager and graphed runs of tests/training/graph_engine.engine_run on these 2 ranks as 2
+    stages: this rank's losses, gradient norms, replays and captures, gathered by stage."""
+    from tests.training.graph_engine import engine_run
+
+    runs = {
+        "eager": engine_run("bf16", graphs=False, stages=2, micro_batches=4),
+        "in_flight": engine_run("bf16", graphs=True, stages=2, micro_batches=4),
+        "eager_ckpt": engine_run("bf16", graphs=False, interval=1, stages=2, micro_batches=4),
+        "recompute": engine_run("bf16", graphs=True, interval=1, stages=2, micro_batches=4),
+    }
+    mine = {
+        name: {k: r[k] for k in ("loss", "norm", "replays", "captures", "interval")}
+        for name, r in runs.items()
+    }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: [g[name] for g in gathered] for name in runs}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     setup_process_env()
@@ -223,6 +248,7 @@ def main() -> None:
         for interval in (0, 1):
             parity(out, scheme, interval, rank)
     parity(out, "branchnorm", 1, rank, buckets=True)
+    out["graphs"] = graph_runs()
     trainer_run(out_dir, "full", 20)
     trainer_run(out_dir, "resume", 10)
     trainer_run(out_dir, "resume", 20)

@@ -36,6 +36,7 @@ from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, ins
 from megatron_branchnorm.training.graph_capture import CapturedRange, capture_factory
 from tests.core.helpers import random_tokens, tiny_config
 from tests.training import graph_double
+from tests.training.graph_engine import engine_run
 
 
 def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
@@ -390,103 +391,21 @@ def on_the_double(*_args) -> Callable:
     return capture_factory({}, cuda=graph_double)
 
 
-def _fixed_batches(cfg, count: int, rows: int = 4, s: int = 22, t: int = 22) -> list:
-    """``count`` engine items of one bucket shape (rows x s x t), each other sentences."""
-    from megatron_branchnorm.data.synthetic import SyntheticData, collate
-
-    data = SyntheticData(64, cfg.model.vocab_size, 20)
-    items = []
-    for i in range(count):
-        b = collate(data, list(range(i * rows, (i + 1) * rows)))
-
-        def pad(x, n):
-            return nn.functional.pad(x, (0, n - x.shape[1]), value=PAD_ID)
-
-        items.append(
-            ((pad(b["src_tokens"], s), pad(b["prev_output_tokens"], t)), pad(b["target"], t))
-        )
-    return items
-
-
-def _engine_run(precision: str, graphs: bool, handed_over: bool | None = None, interval: int = 0):
-    """Three updates of two micro-batches of one bucket shape through a 1-stage engine (lr 0):
-    each update's loss and gradient (norm for bf16, the summed vector for fp32); with
-    ``graphs``, the layer ranges replayed from the trainer's capture on the graph double
-    (tests/training/graph_double.py) after warm-up."""
-    import deepspeed
-
-    from megatron_branchnorm.parallel.partition import partition_plan
-    from megatron_branchnorm.parallel.pipeline import (
-        PipeLoss,
-        build_pipeline_module,
-        install_engine_fixes,
-    )
-    from megatron_branchnorm.resources import DS_CONFIG_DIR
-    from megatron_branchnorm.training.bf16_grads import install_bf16_grad_accumulation
-    from megatron_branchnorm.training.ds_config import load_ds_config
-    from megatron_branchnorm.training.grad_norm import SkipNonfiniteAdamW
-
-    over = ["model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0.0",
-            "train.micro_batches=2", "train.clip_grad=0.0"]  # fmt: skip
-    if precision == "bf16":
-        over.append(f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}")
-    cfg = load_config("tiny_cpu", over)
-    torch.manual_seed(0)
-    loss_fn = PipeLoss(0.1)
-    module = build_pipeline_module(cfg.model, partition_plan(cfg.model, 1, "balanced"), 1, loss_fn)
-    set_branch_scale(module, cfg.model, 3)
-    module.set_checkpoint_interval(interval)  # as the trainer does before the engine
-    grads: list[torch.Tensor] = []
-
-    class Recording(SkipNonfiniteAdamW):
-        def step(self, closure=None):
-            grads.append(torch.cat([p.grad.reshape(-1).clone() for p in self._params()]))
-            return super().step(closure)
-
-        def _params(self):
-            return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-
-    opt = Recording([p for p in module.parameters() if p.requires_grad], lr=0.0)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=opt, config=load_ds_config(cfg, 1)
-    )
-    install_engine_fixes(engine)
-    hooks = install_bf16_grad_accumulation(engine)
-    ranges = []
-    handed = hooks and engine.optimizer.immediate_grad_update  # as the trainer computes it
-    if graphs:
-        ranges, _ = _install(
-            module, on_the_double(), checkpoint_interval=interval,
-            grads_handed_over=handed if handed_over is None else handed_over,
-        )  # fmt: skip
-    losses, norms = [], []
-    batches = _fixed_batches(cfg, 6)
-    for update in range(3):
-        items = batches[2 * update : 2 * update + 2]
-        loss_fn.scale = 2 / sum(int((y != PAD_ID).sum()) for _, y in items)
-        losses.append(float(engine.train_batch(data_iter=iter(items))))
-        norms.append(float(engine.get_global_grad_norm()) if precision == "bf16" else None)
-    return {
-        "loss": losses, "norm": norms, "grads": grads, "ranges": ranges, "handed": handed,
-        "interval": module.activation_checkpoint_interval,
-    }  # fmt: skip
-
-
 @pytest.mark.distributed
 def test_through_the_engine_graphed_equals_eager_and_the_grad_trap_is_refused() -> None:
     from tests.core.helpers import one_rank_process_group
 
     with one_rank_process_group():
-        eager = _engine_run("bf16", graphs=False)
-        graphed = _engine_run("bf16", graphs=True)
+        eager = engine_run("bf16", graphs=False)
+        graphed = engine_run("bf16", graphs=True)
         assert [r.replays for r in graphed["ranges"]] == [4, 4]  # 6 micro-batches, 2 warm-up
         assert graphed["loss"] == eager["loss"] and graphed["norm"] == eager["norm"]
         # fp32: .grad keeps gradients across micro-batches, so the trainer's condition says
         # no and install refuses (test_on_a_cpu_the_stage_is_left_exactly_as_built)...
-        ref = _engine_run("fp32", graphs=False)
+        ref = engine_run("fp32", graphs=False)
         assert ref["handed"] is False and eager["handed"] is True
         # ...because graphing it anyway adds the last replay's gradient twice
-        forced = _engine_run("fp32", graphs=True, handed_over=True)
+        forced = engine_run("fp32", graphs=True, handed_over=True)
         assert forced["loss"] == ref["loss"]
         assert not torch.equal(forced["grads"][-1], ref["grads"][-1])
 
@@ -588,8 +507,8 @@ def test_through_the_engine_a_recomputing_graphed_stage_equals_eager_checkpointi
     from tests.core.helpers import one_rank_process_group
 
     with one_rank_process_group():
-        eager = _engine_run("bf16", graphs=False, interval=1)
-        graphed = _engine_run("bf16", graphs=True, interval=1)
+        eager = engine_run("bf16", graphs=False, interval=1)
+        graphed = engine_run("bf16", graphs=True, interval=1)
     assert eager["interval"] == 1 and graphed["interval"] == 0
     assert [r.replays for r in graphed["ranges"]] == [4, 4]
     assert graphed["loss"] == eager["loss"] and graphed["norm"] == eager["norm"]
