@@ -460,13 +460,15 @@ def install(
     new_pool: Callable[[], Any] = _new_pool,
     max_graphs: int = MAX_GRAPHS,
     memory: float = math.inf,
+    cuda: Any = torch.cuda,
 ) -> list[GraphedRange]:
     """Graph ``module``'s layer runs (a built stage: its ``forward_funcs``) as ``mode`` says;
     ``grads_handed_over``: each parameter's gradient leaves ``.grad`` as soon as backward has
     written it (module docstring, "Parameter gradients"); ``memory``: bytes the stage's graphs
     may keep in static buffers (module docstring, "Memory"); ``checkpoint_interval`` > 0: the
     stage recomputes activations, and its ranges do it themselves (module docstring,
-    "Recompute"; DeepSpeed's own checkpointing of the stage is turned off). Returns the ranges
+    "Recompute"; DeepSpeed's own checkpointing of the stage is turned off); ``cuda``: the
+    namespace the default factory captures with (graph_capture.py). Returns the ranges
     installed (none: the stage runs eagerly, and unless ``mode`` is off, or auto on a machine
     without CUDA, one line through ``log`` says why)."""
     if mode not in MODES:
@@ -493,11 +495,14 @@ def install(
             log(f"model.cuda_graphs={mode}: layers run eagerly: {reason}")
         return []
     budget = GraphBudget(max_graphs, memory)
-    if factory is None:  # the stage's graphs share its parameter-gradient buffers
-        factory = capture_factory({})
     recompute = None
     if checkpoint_interval > 0:
         recompute = Recompute(checkpoint_interval, module.activation_checkpoint_func)
+    if factory is None:  # the stage's graphs share its parameter-gradient buffers
+        # A recomputing stage has no room for a warm-up that keeps a whole range's activations
+        # beside the pool holding another shape's (it runs the same kernels in its eager,
+        # checkpointed calls first); elsewhere the planner sets that copy aside.
+        factory = capture_factory({}, warmup_iters=0 if recompute else 1, cuda=cuda)
     ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"

@@ -12,11 +12,14 @@ used at all: each gradient leaves ``.grad`` within its backward (bf16 with
 ``immediate_grad_update``, training/cuda_graphs.eager_reason), so no gradient in a shared buffer
 is needed once the next backward starts. It also takes that a backward call replays each range
 once, as DeepSpeed's (one micro-batch per backward): two replays of one range in a single
-backward call would overwrite its static input gradients and the shared parameter gradients
-before autograd had consumed the first's.
+backward call would overwrite the shared parameter gradients before autograd had consumed the
+first's. Input gradients leave as copies of their own (a stage whose encoder range is walked
+by two backward calls of one micro-batch would otherwise lose one of them).
 
 The capture follows torch's recipe for graphing an autograd region (the CUDA graphs notes of
-torch's documentation): warm-up iterations on a side stream (cuBLAS workspaces, autograd's
+torch's documentation): warm-up iterations on a side stream (none on a stage that recomputes:
+a warm-up holds the range's activations outside the pool, which there is no room for; the
+eager calls before a capture ran the same kernels) (cuBLAS workspaces, autograd's
 first-call work and the allocator's first blocks made outside any capture; they use
 ``torch.autograd.grad``, so ``.grad`` and DeepSpeed's hooks are untouched), then the forward
 captured on the sample inputs, then the backward captured with ``torch.autograd.grad`` from a
@@ -69,6 +72,7 @@ class CapturedRange:
         cuda: Any = torch.cuda,
     ) -> None:
         self.cuda = cuda
+        self.warmup_iters = warmup_iters
         self.static_in = tuple(sample_args)
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         for p in self.params:
@@ -139,7 +143,11 @@ def _backward_replay(captured: CapturedRange, grad: torch.Tensor) -> tuple:
     if captured.static_grad_out.data_ptr() != grad.data_ptr():
         captured.static_grad_out.copy_(grad)
     captured.backward_graph.replay()
-    inputs = (None if g is None else g.detach() for g in captured.input_grads)
+    # Input gradients as tensors of their own (one copy of the hidden states' size): a stage
+    # input's .grad would take the static buffer, and a second replay in the same micro-batch
+    # (DeepSpeed's stock backward: one call per float output of a stage that sends both x_dec
+    # and memory) would overwrite it and count itself twice.
+    inputs = (None if g is None else g.clone() for g in captured.input_grads)
     return (None, *inputs, *(g.detach() for g in captured.param_grads))
 
 

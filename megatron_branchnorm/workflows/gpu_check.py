@@ -56,6 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.resources import DS_CONFIG_DIR
@@ -375,6 +376,77 @@ def cuda_graph_rows(device: str, work: Path) -> list[Row]:
     return rows
 
 
+RECOMPUTE_DROPOUT_TOL = 1e-5
+"""Relative gradient difference allowed between a graphed recompute and the eager layers from
+the same random state (fp32: the same kernels, in a graph or not)."""
+
+
+def recompute_dropout_difference(cuda: Any = None, device: str = "cuda") -> float:
+    """A recomputing range of 2 encoder layers with dropout 0.1, captured through ``cuda``
+    (``torch.cuda``, or the CPU tests' graph double; training/graph_capture.py): the worst
+    relative difference over 3 micro-batches between the gradients by ``recompute`` (whose
+    backward replays the forward graph from the forward's saved generator state) and the eager
+    layers' run from that same state. 0 means the recompute drew the forward's dropout masks."""
+    import torch
+
+    from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.model.residual import stack_constants
+    from megatron_branchnorm.parallel.pipeline import EncoderLayerPipe
+    from megatron_branchnorm.tokens import EOS_ID
+    from megatron_branchnorm.training.cuda_graphs import LayerRun
+    from megatron_branchnorm.training.graph_capture import CapturedRange
+
+    cuda = cuda or torch.cuda
+    cfg = load_config("tiny_cpu", ["model.dropout=0.1"]).model
+    torch.manual_seed(0)
+    (a, b), _ = stack_constants(cfg)
+    layers = [EncoderLayerPipe(cfg, a, b, 1, i).to(device) for i in range(2)]
+    run = LayerRun(layers, as_tuple=True)
+    params = list(run.parameters())
+    rows, length = 4, 16
+
+    def batch() -> tuple:
+        x = torch.randn(rows, length, cfg.hidden_size, device=device, requires_grad=True)
+        ids = torch.randint(EOS_ID + 1, cfg.vocab_size, (rows, length), device=device)
+        return x, ids, ids.clone()
+
+    def grads(forward, args: tuple, state, grad: torch.Tensor) -> list:
+        cuda.set_rng_state(state)
+        for p in params:
+            p.grad = None
+        forward(*args).backward(grad)
+        return [args[0].grad, *(p.grad.clone() for p in params)]
+
+    first = batch()
+    sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in first)
+    pool = cuda.graph_pool_handle() if device == "cuda" else None
+    captured = CapturedRange(run, sample, pool, {}, warmup_iters=1, cuda=cuda)
+    worst = 0.0
+    for _ in range(3):
+        args, grad = batch(), torch.randn(rows, length, cfg.hidden_size, device=device)
+        state = cuda.get_rng_state()
+        eager_args = (args[0].detach().clone().requires_grad_(), *args[1:])
+        got = grads(captured.recompute, args, state, grad)
+        want = grads(run, eager_args, state, grad)
+        for g, w in zip(got, want, strict=True):
+            worst = max(worst, float((g - w).norm() / max(float(w.norm()), 1e-12)))
+    return worst
+
+
+def recompute_dropout_rows(device: str) -> list[Row]:
+    """:func:`recompute_dropout_difference` captured for real: the train.py rows run with
+    dropout 0 and cannot show that a recompute draws the forward's masks."""
+    name = "CUDA graphs: recompute with dropout 0.1 vs eager from the same RNG state: grad"
+    if device != "cuda":
+        return [Row(name, "not run: no CUDA device")]
+    try:
+        worst = recompute_dropout_difference()
+    except Exception as exc:  # the capture failed: this row fails, the table goes on
+        return [Row(name, f"failed: {type(exc).__name__}: {str(exc)[-300:]}", "", False)]
+    tol = RECOMPUTE_DROPOUT_TOL
+    return [Row(name, f"{worst:.1e}", f"{tol:g}", worst <= tol)]
+
+
 def launch_rows(device: str) -> list[Row]:
     """Kernel-launching ops per layer per micro-batch inside train_batch and host syncs per
     micro-batch (experiments/launches.py) with opus100_200L's settings on a GPU (the CUDA
@@ -451,6 +523,7 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
     rows += apex_rows(device)
     rows += throughput_rows(device, work, steps)
     rows += cuda_graph_rows(device, work)
+    rows += recompute_dropout_rows(device)
     rows += launch_rows(device)
     rows += two_stage_rows(ranks, work)
     rows += parity_rows(ranks, work)

@@ -12,7 +12,6 @@ from megatron_branchnorm.config import load_config
 from megatron_branchnorm.model.residual import set_branch_scale
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import cuda_graphs
-from megatron_branchnorm.training.graph_capture import capture_factory
 from tests.training import graph_double
 
 
@@ -46,7 +45,8 @@ def engine_run(
     ``stages``-stage engine (lr 0, one rank per stage: run it on that many ranks): each update's
     loss and gradient (norm for bf16, the summed vector for fp32), the ranges installed and the
     stage's DeepSpeed checkpoint interval after install; with ``graphs``, the layer ranges
-    replayed from the trainer's capture on the graph double after warm-up."""
+    replayed from the trainer's own capture factory (install's) on the graph double after
+    warm-up."""
     import deepspeed
 
     from megatron_branchnorm.parallel.partition import partition_plan
@@ -94,8 +94,7 @@ def engine_run(
             module, "on", device=torch.device("cuda"), bucket_shapes="auto",
             checkpoint_interval=interval, compiled=False,
             grads_handed_over=handed if handed_over is None else handed_over,
-            log=lambda _line: None, factory=capture_factory({}, cuda=graph_double),
-            new_pool=lambda: None,
+            log=lambda _line: None, new_pool=lambda: None, cuda=graph_double,
         )  # fmt: skip
     losses, norms = [], []
     batches = fixed_batches(cfg, 3 * micro_batches)

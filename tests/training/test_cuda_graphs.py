@@ -156,8 +156,10 @@ class FakeFactory:
 def _install(stage, factory=None, max_graphs=cuda_graphs.MAX_GRAPHS, memory=float("inf"), **kw):
     lines: list[str] = []
     pools = iter(range(100))
+    if factory is None and "cuda" not in kw:
+        factory = FakeFactory()  # else the trainer's own factory, capturing on kw["cuda"]
     ranges = install(
-        stage, "on", **{**ELIGIBLE, **kw}, log=lines.append, factory=factory or FakeFactory(),
+        stage, "on", **{**ELIGIBLE, **kw}, log=lines.append, factory=factory,
         new_pool=lambda: next(pools), max_graphs=max_graphs, memory=memory,
     )  # fmt: skip
     return ranges, lines
@@ -471,7 +473,7 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager() -
     stage = _stage(cfg)
     eager_funcs = list(stage.forward_funcs)
     stage.set_checkpoint_interval(1)
-    ranges, lines = _install(stage, on_the_double(), checkpoint_interval=1)
+    ranges, lines = _install(stage, checkpoint_interval=1, cuda=graph_double)
     assert stage.activation_checkpoint_interval == 0 and "recomputed in the backward" in lines[0]
     for i in range(cuda_graphs.WARMUP):  # eager, through checkpoint, one layer a chunk
         _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, i))
@@ -499,7 +501,49 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager() -
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), i
         compared += 1
     assert compared >= 3 and [r.captures for r in ranges] == [1, 1]
+    (captured,) = (g.fn for r in ranges[:1] for k in r.keys.values() for g in k.slots.values())
+    assert captured.warmup_iters == 0  # the trainer's factory: no room for a warm-up copy
     assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
+
+
+@pytest.mark.parametrize("interval", [0, 1])
+def test_a_boundary_stage_under_one_backward_per_output_computes_as_eager(interval) -> None:
+    """A stage that ends inside the decoder sends (x_dec, memory, src); DeepSpeed's stock
+    backward runs one backward call per float output (the trainer installs one call for all,
+    pipeline.install_backward_once), so the encoder range's backward replays twice in one
+    micro-batch. Each replay's input gradient must be its own tensor: had the stage input's
+    ``.grad`` kept the first replay's static buffer, the second replay would overwrite it and
+    count itself twice. Parameter gradients are handed over after each call, as bf16's are."""
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10)
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    n = cfg.encoder_layers
+    stage.forward_funcs = stage.forward_funcs[: n + 4]  # ..., dec_embed, decoder layer 0
+    eager_funcs = list(stage.forward_funcs)
+    stage.set_checkpoint_interval(interval)
+    ranges, _ = _install(stage, on_the_double(), checkpoint_interval=interval)
+
+    def run(forward, batch, seed: int) -> tuple[list, list]:
+        leaves = [t.detach().clone().requires_grad_() for t in batch[:2]]
+        out, _ = forward((*(t.clone() for t in leaves), *batch[2:]))  # as the pipe's clones
+        floats = [t for t in out if t.is_floating_point()]
+        gen = torch.Generator().manual_seed(seed)
+        params = [torch.zeros_like(p) for p in stage.layers.parameters()]
+        for i, t in enumerate(floats):  # DeepSpeed's stock _exec_backward_pass
+            t.backward(torch.randn(t.shape, generator=gen), retain_graph=i < len(floats) - 1)
+            for total, p in zip(params, stage.layers.parameters(), strict=True):
+                if p.grad is not None:  # the hand-over
+                    total += p.grad
+                    p.grad = None
+        return [t.grad for t in leaves], params
+
+    for i in range(cuda_graphs.WARMUP + 3):
+        batch = _batch(cfg, 2, 8, 6, seed=i)
+        got = run(stage.forward, batch, i)
+        want = run(lambda b: _forward(eager_funcs, b), batch, i)
+        for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+            assert torch.equal(a, b), i
+    assert [r.replays for r in ranges] == [3, 3]
 
 
 @pytest.mark.distributed
@@ -520,3 +564,11 @@ def test_gpu_bench_runs_the_graphed_train_py_row_on_cuda_only() -> None:
     assert "train.py+graphs" in gpu_bench.SYSTEMS and "train.py+graphs" in gpu_bench.RUN_ORDER
     assert gpu_bench.loop_skip_reason("train.py+graphs", "cuda") is None
     assert "not run on the CPU" in gpu_bench.loop_skip_reason("train.py+graphs", "cpu")
+
+
+def test_the_gpu_checks_recompute_dropout_row_passes_on_the_graph_double() -> None:
+    """workflows/gpu_check's dropout row (a recompute against eager from the same random
+    state) run through the graph double: its figure is 0 here, as it must be on a GPU."""
+    from megatron_branchnorm.workflows.gpu_check import recompute_dropout_difference
+
+    assert recompute_dropout_difference(cuda=graph_double, device="cpu") == 0.0
