@@ -16,9 +16,11 @@ micro-batches per replica instead.
 
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
-``total parameters: X.XXB``; with ``model.cuda_graphs=on`` (or auto) also each stage's CUDA-graph
-static memory and how many graph sets fit beside the run (training/cuda_graphs.py). ``section.key=value`` overrides apply as in train.py. Exit codes:
-0 fits, 1 does not fit, 2 bad input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in megatron_branchnorm/parallel/planner.py.
+``total parameters: X.XXB``; with ``model.cuda_graphs=on`` (or auto) also each stage's
+CUDA-graph static memory and how many graph sets fit beside the run (training/cuda_graphs.py).
+``section.key=value`` overrides apply as in train.py. Exit codes: 0 fits, 1 does not fit, 2 bad
+input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in
+megatron_branchnorm/parallel/planner.py.
 """
 
 from __future__ import annotations

@@ -153,10 +153,6 @@ def eager_reason(
     return None
 
 
-def _new_pool() -> Any:
-    return torch.cuda.graph_pool_handle()
-
-
 class LayerRun(nn.Module):
     """The layers of one range run in order on a flat argument list: what is captured. Returns
     the first element of the last layer's output (the hidden states)."""
@@ -281,7 +277,7 @@ class GraphedRange:
         log: Callable[[str], None],
         name: str,
         factory: GraphFactory,
-        new_pool: Callable[[], Any] = _new_pool,
+        new_pool: Callable[[], Any],
         warmup: int = WARMUP,
         budget: GraphBudget | None = None,
         recompute: Recompute | None = None,
@@ -457,7 +453,7 @@ def install(
     log: Callable[[str], None],
     autocast: bool = False,
     factory: GraphFactory | None = None,
-    new_pool: Callable[[], Any] = _new_pool,
+    new_pool: Callable[[], Any] | None = None,
     max_graphs: int = MAX_GRAPHS,
     memory: float = math.inf,
     cuda: Any = torch.cuda,
@@ -468,7 +464,8 @@ def install(
     may keep in static buffers (module docstring, "Memory"); ``checkpoint_interval`` > 0: the
     stage recomputes activations, and its ranges do it themselves (module docstring,
     "Recompute"; DeepSpeed's own checkpointing of the stage is turned off); ``cuda``: the
-    namespace the default factory captures with (graph_capture.py). Returns the ranges
+    namespace the default factory captures with and the memory pools come from (default
+    ``new_pool``: its ``graph_pool_handle``; graph_capture.py). Returns the ranges
     installed (none: the stage runs eagerly, and unless ``mode`` is off, or auto on a machine
     without CUDA, one line through ``log`` says why)."""
     if mode not in MODES:
@@ -503,6 +500,7 @@ def install(
         # beside the pool holding another shape's (it runs the same kernels in its eager,
         # checkpointed calls first); elsewhere the planner sets that copy aside.
         factory = capture_factory({}, warmup_iters=0 if recompute else 1, cuda=cuda)
+    new_pool = new_pool or cuda.graph_pool_handle
     ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"

@@ -114,10 +114,13 @@ class CapturedRange:
         them (module docstring, "Recompute")."""
         return _RecomputeReplay.apply(self, *args, *self.params)
 
-    def load(self, args: Sequence[torch.Tensor]) -> None:
+    def replay_forward(self, args: Sequence[torch.Tensor]) -> None:
+        """The forward graph on ``args`` (copied into the static inputs unless they are those
+        very tensors)."""
         for static, x in zip(self.static_in, args, strict=True):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
+        self.forward_graph.replay()
 
 
 def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -128,8 +131,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, captured: CapturedRange, *args: torch.Tensor) -> torch.Tensor:
         ctx.captured = captured
-        captured.load(args[: len(captured.static_in)])
-        captured.forward_graph.replay()
+        captured.replay_forward(args[: len(captured.static_in)])
         return captured.static_out.detach()
 
     @staticmethod
@@ -158,8 +160,7 @@ class _RecomputeReplay(torch.autograd.Function):
         ctx.captured = captured
         ctx.rng = captured.cuda.get_rng_state()
         ctx.save_for_backward(*inputs)
-        captured.load(inputs)
-        captured.forward_graph.replay()
+        captured.replay_forward(inputs)
         return captured.static_out.clone()  # the next forward replay overwrites static_out
 
     @staticmethod
@@ -168,8 +169,7 @@ class _RecomputeReplay(torch.autograd.Function):
         cuda = captured.cuda
         now = cuda.get_rng_state()
         cuda.set_rng_state(ctx.rng)  # the recompute draws the forward's dropout masks
-        captured.load(ctx.saved_tensors)
-        captured.forward_graph.replay()
+        captured.replay_forward(ctx.saved_tensors)
         cuda.set_rng_state(now)
         return _backward_replay(captured, grad)
 

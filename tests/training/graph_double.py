@@ -1,6 +1,6 @@
 """A CPU stand-in for the part of ``torch.cuda`` a capture uses (``CUDAGraph``, ``graph``,
-``Stream``, ``stream``, ``current_stream``, ``get_rng_state``, ``set_rng_state``), faithful in
-what a caller can see of a graph.
+``Stream``, ``stream``, ``current_stream``, ``graph_pool_handle``, ``get_rng_state``,
+``set_rng_state``), faithful in what a caller can see of a graph.
 
 Capturing records every ATen operator the region runs (a ``TorchDispatchMode`` sees all of
 them, the backward's included) with the very tensors it read and wrote; a replay runs the
@@ -66,6 +66,11 @@ def graph(
     with record:
         yield
     cuda_graph.ops = record.ops
+
+
+def graph_pool_handle() -> None:
+    """A memory pool's token (pools have no effect here)."""
+    return None
 
 
 class Stream:

@@ -94,7 +94,7 @@ def engine_run(
             module, "on", device=torch.device("cuda"), bucket_shapes="auto",
             checkpoint_interval=interval, compiled=False,
             grads_handed_over=handed if handed_over is None else handed_over,
-            log=lambda _line: None, new_pool=lambda: None, cuda=graph_double,
+            log=lambda _line: None, cuda=graph_double,
         )  # fmt: skip
     losses, norms = [], []
     batches = fixed_batches(cfg, 3 * micro_batches)
