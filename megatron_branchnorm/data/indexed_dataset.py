@@ -40,6 +40,16 @@ _CODES = {dt: code for code, dt in DTYPES.items()}
 _KNOWN_MAGICS = {b"MMIDIDX\x00": "a Megatron-LM index", b"TNTIDX\x00\x00": "a fairseq index"}
 
 
+def ragged_cells(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each element of rows of ``lengths`` (int64) laid end to end: one
+    fancy-index assignment then puts their concatenation into a padded matrix, where a loop
+    over rows costs a few microseconds of Python per row (a micro-batch holds hundreds)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return rows, np.arange(rows.size) - starts[rows]
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab_size <= 65536), else int32."""
     return DTYPES[1] if vocab_size <= 65536 else DTYPES[2]
@@ -181,3 +191,10 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(self.offsets[i])
         return self._data[start : start + int(self.sizes[i])]
+
+    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sequences ``indices`` end to end (one gather from the memory map, not one slice
+        per sequence), with the (row, column) of each id (:func:`ragged_cells`)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        rows, cols = ragged_cells(self.sizes[idx])
+        return np.asarray(self._data[self.offsets[idx][rows] + cols]), rows, cols

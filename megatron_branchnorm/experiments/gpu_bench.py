@@ -16,7 +16,9 @@ One table, one row per system and batch size (tokens per side per update):
   padding, as train.py's metrics do; the FLOPs are the matmul FLOPs of those tokens
   (``bench_models.model_flops`` at each micro-batch's shape, scaled by its share of real
   tokens), divided by the bf16 matmul peak measured at the start of the same run. Peak memory
-  is beside the planner's prediction (``planner.plan_run``) for the same run.
+  is beside the planner's prediction (``planner.plan_run``) for the same run. Below the
+  table: the host's time per update in the data stream (reading, collating and padding the
+  update's batches: the GPU idles through it after each update's host sync).
 - **train.py+graphs**: the same with ``model.cuda_graphs=on`` (training/cuda_graphs.py: the
   layer stack replayed from CUDA graphs per bucket shape), on CUDA only.
 - **ours, flat model**; **torch.nn.Transformer**, eager and under ``torch.compile`` (default
@@ -120,6 +122,7 @@ class Result:
     busy: float | None = None
     peak_memory: float | None = None  # bytes
     planned_memory: float | None = None  # bytes, train.py only
+    data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
     note: str = ""
 
 
@@ -314,7 +317,7 @@ def run_train_py(
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
     planned = plan_run(cfg, 1, float(memory), stages=1).peak()
     _reset_memory(device)
-    clock, shapes, tokens_done, prof = Clock(device), [], [], {}
+    clock, shapes, tokens_done, prof, data_s = Clock(device), [], [], {}, []
     with _one_rank():
         from megatron_branchnorm.training.trainer import Trainer
 
@@ -322,7 +325,9 @@ def run_train_py(
         next_update, update = trainer.stream.next_update, trainer._update
 
         def record_shapes():
+            started = time.perf_counter()
             u = next_update()
+            data_s.append(time.perf_counter() - started)
             flops = 0.0
             for b in u.mine:
                 n, s = b["src_tokens"].shape
@@ -366,6 +371,7 @@ def run_train_py(
         busy=prof["out"]["busy"],
         peak_memory=peak,
         planned_memory=planned,
+        data_ms=steady_state(data_s[:updates]) * 1e3,
     )
 
 
@@ -597,6 +603,13 @@ def format_table(bench: Bench, device: str) -> str:
             ratios.append(f"{base.tokens_per_s / r.tokens_per_s:.2f}x {r.system} at {r.tokens:,}")
     if ratios:
         lines += ["", "train.py's tokens/s over: " + ", ".join(ratios)]
+    data = [f"{r.data_ms:.2f} ms at {r.tokens:,}" for r in ours.values() if r.data_ms is not None]
+    if data:
+        lines += [
+            "",
+            "train.py's host time per update in its data stream (batches read, collated and "
+            "padded to their bucket; the median of the timed updates): " + ", ".join(data),
+        ]
     return "\n".join(lines)
 
 

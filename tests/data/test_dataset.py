@@ -19,6 +19,7 @@ from megatron_branchnorm.data import (
     open_manifest,
     temperature_probs,
 )
+from megatron_branchnorm.data.synthetic import SyntheticData, collate
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -51,6 +52,52 @@ def test_batch_layout(small_data) -> None:
             assert torch.equal(prev[b, 1:n], tgt[b, : n - 1])
             s = int((src[b] != PAD_ID).sum())
             assert src[b, s - 1] == EOS_ID and (src[b, s:] == PAD_ID).all()
+
+
+def _padded_rows(pairs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """The batch of (source, target) id lists (specials included), one row at a time: the
+    reference the array-at-once collates must equal."""
+    s_len, t_len = max(len(s) for s, _ in pairs), max(len(t) for _, t in pairs)
+    src = torch.full((len(pairs), s_len), PAD_ID)
+    prev, tgt = torch.full((len(pairs), t_len), PAD_ID), torch.full((len(pairs), t_len), PAD_ID)
+    for row, (s, t) in enumerate(pairs):
+        src[row, : len(s)] = torch.tensor(s)
+        tgt[row, : len(t)] = torch.tensor(t)
+        prev[row, : len(t)] = torch.tensor([BOS_ID, *t[:-1]])
+    return {"src_tokens": src, "prev_output_tokens": prev, "target": tgt}
+
+
+def _index_sets(rng: np.random.Generator, pool: np.ndarray) -> list[np.ndarray]:
+    """Index sets a sampler may hand collate: one sentence, repeats, any order, many."""
+    return [pool[:1], np.repeat(pool[:2], 3)] + [
+        rng.choice(pool, size=int(rng.integers(2, 80))) for _ in range(12)
+    ]
+
+
+def test_collate_equals_row_by_row(small_data) -> None:
+    data = TranslationData(str(small_data[0]))
+    m, rng = open_manifest(small_data[0]), np.random.default_rng(5)
+    for g, direction in enumerate(data.directions):
+        tag = m["tag_ids"][direction.split("-")[1]]
+        for idx in _index_sets(rng, data.group_indices(g)):
+            batch = data.collate(g, idx)
+            pairs = [data.pair(g, int(i)) for i in idx]
+            rows = [([tag, *s.tolist(), EOS_ID], [*t.tolist(), EOS_ID]) for s, t in pairs]
+            assert _same(_padded_rows(rows), batch)
+            assert batch["ntokens"] == sum(len(t) for _, t in rows)
+            assert batch["src_ntokens"] == sum(len(s) for s, _ in rows)
+            assert batch["ids"].tolist() == (idx + data.sample_offset(g)).tolist()
+
+
+def test_synthetic_collate_equals_row_by_row() -> None:
+    data, rng = SyntheticData(300, 40, 24), np.random.default_rng(6)
+    for idx in _index_sets(rng, np.arange(len(data))):
+        batch = collate(data, idx.tolist())
+        rows = [tuple(x.tolist() for x in data.pair(int(i))) for i in idx]
+        assert _same(_padded_rows(rows), batch)
+        assert batch["ntokens"] == sum(len(t) for _, t in rows)
+        assert batch["src_ntokens"] == sum(len(s) for s, _ in rows)
+        assert batch["ids"].tolist() == idx.tolist()
 
 
 def test_temperature_frequencies(small_data) -> None:

@@ -26,6 +26,12 @@ def test_round_trip(tmp_path: Path, dtype) -> None:
     assert len(ds) == 4 and ds.dtype == np.dtype(dtype)
     assert [ds[i].tolist() for i in range(4)] == seqs
     assert ds.sizes.tolist() == [3, 0, 1, 300] and ds.num_tokens == 304
+    order = [3, 1, 0, 0, 2]  # any order, repeats and an empty sequence
+    ids, rows, cols = ds.take(np.array(order))
+    assert ids.tolist() == [t for i in order for t in seqs[i]]
+    assert [(r, c) for r, c in zip(rows.tolist(), cols.tolist())] == [
+        (r, c) for r, i in enumerate(order) for c in range(len(seqs[i]))
+    ]
 
 
 def test_dtype_choice() -> None:

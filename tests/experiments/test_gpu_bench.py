@@ -76,7 +76,8 @@ def test_cpu_small_mode_prints_every_row(tmp_path, capsys) -> None:
         for key in ("ms_per_update", "tokens_per_s", "flops_per_s", "busy", "peak_memory"):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r)
         assert any(line.startswith(f"| {gpu_bench.LABELS[name]} | 64 | ") for line in table)
-    assert rows["train.py"]["planned_memory"] > 0
+    assert rows["train.py"]["planned_memory"] > 0 and rows["train.py"]["data_ms"] > 0
+    assert "host time per update in its data stream" in out
     assert "planner:" in next(line for line in table if "train.py" in line)
     assert "not run on the CPU" in rows["torch-compiled"]["note"]
     assert "bf16 matmul peak" in out and "train.py's tokens/s over: " in out
