@@ -29,7 +29,7 @@ def test_round_trip(tmp_path: Path, dtype) -> None:
     order = [3, 1, 0, 0, 2]  # any order, repeats and an empty sequence
     ids, rows, cols = ds.take(np.array(order))
     assert ids.tolist() == [t for i in order for t in seqs[i]]
-    assert [(r, c) for r, c in zip(rows.tolist(), cols.tolist())] == [
+    assert list(zip(rows.tolist(), cols.tolist(), strict=True)) == [
         (r, c) for r, i in enumerate(order) for c in range(len(seqs[i]))
     ]
 
