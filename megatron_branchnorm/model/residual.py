@@ -303,9 +303,13 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
     BranchNorm blocks read alpha_t from one 0-dim fp32 tensor per ``module``, on its device,
     updated in place (one fill per update, no host sync): a compiled or captured graph sees a
     new value each update instead of a constant baked in at the first. The Python float is
-    kept beside it for logging and export."""
+    kept beside it for logging and export. The blocks are found at the first call on
+    ``module`` and kept in it (its Residual blocks are fixed once built)."""
     alpha = branch_scale_at(cfg, step)
-    blocks = [b for b in module.modules() if isinstance(b, Residual)]
+    blocks = module.__dict__.get("_residual_blocks")
+    if blocks is None:  # found once: walking the module tree is host time every update
+        blocks = [b for b in module.modules() if isinstance(b, Residual)]
+        module.__dict__["_residual_blocks"] = blocks  # not a submodule list: no state
     shared = None
     if any(b.scheme.step_scaled for b in blocks):
         device = blocks[0].norm.weight.device
@@ -315,9 +319,12 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
             module.__dict__["_branch_scale_tensor"] = shared  # not a buffer: no state-dict key
         shared.fill_(alpha)
     for block in blocks:
-        block.branch_scale = alpha
-        if block.scheme.step_scaled:
-            block.scale_tensor = shared
+        if block.branch_scale != alpha or block.scale_tensor is not (
+            shared if block.scheme.step_scaled else None
+        ):  # the attributes as they stand (once alpha_t reaches 1) are left alone
+            block.branch_scale = alpha
+            if block.scheme.step_scaled:
+                block.scale_tensor = shared
     return alpha
 
 

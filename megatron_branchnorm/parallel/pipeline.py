@@ -353,6 +353,26 @@ def install_backward_once(engine: PipelineEngine) -> None:
     }
 
 
+def remember_mode(module: nn.Module) -> None:
+    """Make ``module.train(mode)`` (and ``eval()``) walk the module tree only when the mode
+    changes. DeepSpeed's ``train_batch`` calls ``self.module.train()`` once per update, and
+    the walk sets ``training`` on every submodule through ``nn.Module.__setattr__``: 0.7 ms
+    per update for 12L-12L, 3.5 ms for a stage of 62 + 62 layers, measured on the development
+    CPU, host time the GPU idles through after each update's host sync. The stage's
+    submodules change mode only through the stage (validation's ``eval_batch`` included); a
+    mode set on the stage itself by ``nn.Module.train`` directly is seen (``module.training``)
+    and walked again."""
+    walk, last = module.train, [None]
+
+    def train(mode: bool = True) -> nn.Module:
+        if last[0] != mode or module.training != mode:
+            walk(mode)
+            last[0] = mode
+        return module
+
+    module.train = train  # an instance attribute: eval() calls self.train(False) through it
+
+
 _DS_SEND_ACTIVATIONS = PipelineEngine._INSTRUCTION_MAP[schedule.SendActivation]
 _DS_RECV_ACTIVATIONS = PipelineEngine._INSTRUCTION_MAP[schedule.RecvActivation]
 _DS_RECV_GRADS = PipelineEngine._INSTRUCTION_MAP[schedule.RecvGrad]
@@ -501,7 +521,8 @@ def unsupported_deepspeed(what: str) -> RuntimeError:
 def install_engine_fixes(engine: PipelineEngine) -> None:
     """Apply our changes to this engine instance (DeepSpeed's class is untouched):
     :func:`_backward_once` for BackwardPass, :func:`_typed_recv_buffer` for receive buffers,
-    and the sends and receives of fixed shapes (:func:`fixed_shapes`). All replace private
+    the sends and receives of fixed shapes (:func:`fixed_shapes`), and a stage that walks its
+    modules only when its mode changes (:func:`remember_mode`). All replace private
     methods of DeepSpeed 0.19.8 (pinned in setup.py); a DeepSpeed without them is refused here
     rather than failing mid-step."""
     for name in ("_allocate_or_extend_buffers", "_INSTRUCTION_MAP", "_exec_recv_grads"):
@@ -511,6 +532,7 @@ def install_engine_fixes(engine: PipelineEngine) -> None:
         if not hasattr(engine, name):
             raise unsupported_deepspeed(f"PipelineEngine has no attribute {name}")
     install_backward_once(engine)
+    remember_mode(engine.module)
     engine._INSTRUCTION_MAP[schedule.SendActivation] = _send_activations
     engine._INSTRUCTION_MAP[schedule.RecvActivation] = _recv_activations
     engine._INSTRUCTION_MAP[schedule.RecvGrad] = _recv_grads

@@ -57,6 +57,21 @@ def test_set_step_sets_alpha_on_every_block() -> None:
     assert postln.set_step(1) == 1.0
 
 
+def test_set_step_restores_a_block_set_by_hand_at_the_same_alpha() -> None:
+    """set_branch_scale leaves a block alone when it already holds alpha_t and the shared
+    tensor (host time per update): one changed by hand since is still set again."""
+    model = build_model(tiny_config(residual="branchnorm", branchnorm_steps=100), 1)
+    blocks = model.residual_blocks()
+    model.set_step(1000)
+    shared = blocks[0].scale_tensor
+    assert shared is not None and all(b.scale_tensor is shared for b in blocks)
+    blocks[3].branch_scale = 1.0  # the same value, but a constant: its shared tensor is gone
+    blocks[4].branch_scale = 0.5
+    assert model.set_step(2000) == 1.0
+    assert all(b.branch_scale == 1.0 and b.scale_tensor is shared for b in blocks)
+    assert float(shared) == 1.0
+
+
 def test_set_step_changes_the_output_of_branchnorm() -> None:
     model = build_model(tiny_config(residual="branchnorm", branchnorm_steps=100), 1).eval()
     src, prev = random_tokens(2, 6, seed=1), random_tokens(2, 5, seed=2)

@@ -284,6 +284,29 @@ def test_receive_buffers_keep_their_dtype():
     assert bigger.shape == (8, 24) and bigger.dtype == torch.int64
 
 
+def test_stage_walks_its_modules_only_when_the_mode_changes():
+    """pipeline.remember_mode: DeepSpeed's train_batch calls module.train() every update; the
+    walk over every submodule runs only when the mode changes (eval_batch's eval() and back),
+    or when the stage's own mode was set around it."""
+    from megatron_branchnorm.parallel.pipeline import remember_mode
+
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Dropout()))
+    leaf, walks = stage[1][0], []
+    leaf_train = leaf.train
+    leaf.train = lambda mode=True: walks.append(mode) or leaf_train(mode)
+    remember_mode(stage)
+    for _ in range(3):
+        assert stage.train() is stage
+    assert walks == [True]
+    stage.eval()
+    stage.train()
+    stage.train()
+    assert walks == [True, False, True] and leaf.training
+    torch.nn.Module.train(stage, False)  # around the memo: the stage's own flag tells
+    stage.train()
+    assert walks == [True, False, True, False, True] and leaf.training and stage[0].training
+
+
 def test_engine_fixes_refuse_another_deepspeed():
     from megatron_branchnorm.parallel.pipeline import install_engine_fixes
 
