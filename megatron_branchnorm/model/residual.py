@@ -304,7 +304,8 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
     updated in place (one fill per update, no host sync): a compiled or captured graph sees a
     new value each update instead of a constant baked in at the first. The Python float is
     kept beside it for logging and export. The blocks are found at the first call on
-    ``module`` and kept in it (its Residual blocks are fixed once built)."""
+    ``module`` and kept in it (``_residual_blocks``): its Residual blocks are fixed once built
+    (code that adds or replaces layers of a built module must drop that list)."""
     alpha = branch_scale_at(cfg, step)
     blocks = module.__dict__.get("_residual_blocks")
     if blocks is None:  # found once: walking the module tree is host time every update

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 from collections.abc import Iterator
 
 import torch
@@ -361,16 +362,16 @@ def remember_mode(module: nn.Module) -> None:
     CPU, host time the GPU idles through after each update's host sync. The stage's
     submodules change mode only through the stage (validation's ``eval_batch`` included); a
     mode set on the stage itself by ``nn.Module.train`` directly is seen (``module.training``)
-    and walked again."""
-    walk, last = module.train, [None]
+    and walked again. A bound method, so a deep copy of the stage gets its own."""
+    module.train = types.MethodType(_train_when_changed, module)  # eval() calls it too
 
-    def train(mode: bool = True) -> nn.Module:
-        if last[0] != mode or module.training != mode:
-            walk(mode)
-            last[0] = mode
-        return module
 
-    module.train = train  # an instance attribute: eval() calls self.train(False) through it
+def _train_when_changed(module: nn.Module, mode: bool = True) -> nn.Module:
+    """:func:`remember_mode`'s ``train``: the class's walk when ``mode`` is new."""
+    if module.__dict__.get("_mbn_mode") != mode or module.training != mode:
+        type(module).train(module, mode)
+        module.__dict__["_mbn_mode"] = mode
+    return module
 
 
 _DS_SEND_ACTIVATIONS = PipelineEngine._INSTRUCTION_MAP[schedule.SendActivation]

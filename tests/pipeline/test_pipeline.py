@@ -3,6 +3,7 @@ resume, SIGUSR1 requeue, learning, invalid configs (docs/design.md §1, §3, §5
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -305,6 +306,9 @@ def test_stage_walks_its_modules_only_when_the_mode_changes():
     torch.nn.Module.train(stage, False)  # around the memo: the stage's own flag tells
     stage.train()
     assert walks == [True, False, True, False, True] and leaf.training and stage[0].training
+    twin = copy.deepcopy(stage)  # its own memo and modules: the original keeps its mode
+    twin.eval()
+    assert not twin[0].training and stage[0].training and stage.training
 
 
 def test_engine_fixes_refuse_another_deepspeed():
