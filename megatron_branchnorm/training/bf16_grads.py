@@ -94,6 +94,7 @@ import functools
 import inspect
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from megatron_branchnorm.parallel.pipeline import unsupported_deepspeed
 from megatron_branchnorm.training import collectives
@@ -157,15 +158,23 @@ class _MultiTensorAccumulation:
     """Stands in for ``BF16_Optimizer.accumulate_hp_grads_and_remove_lp`` on one optimizer
     instance (module docstring, "Multi-tensor accumulation"): keeps each parameter's bf16
     gradient and adds the kept ones into the fp32 flat buffer a run of consecutive parameters
-    at a time, at the end of the backward or past ``bucket`` elements."""
+    at a time, at the end of the backward or past ``bucket`` elements.
+
+    Which gradients a flush holds, in which order, repeats from one backward to the next, so
+    the runs are worked out once per such sequence of parameters (:meth:`_plan`) and kept
+    (at most :data:`_PLANS`): a flush is then a few calls per run, where sorting the kept
+    gradients and testing each pair for adjacency cost about 1 ms of Python per micro-batch
+    for 12L-12L (385 tensors) on the development CPU."""
 
     def __init__(self, optimizer, bucket: int = BUCKET_ELEMENTS) -> None:
         self.optimizer = optimizer
         self.bucket = bucket
-        self.pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.keys: list[tuple[int, int]] = []  # (group, parameter) of each kept gradient
+        self.pending: list[torch.Tensor] = []  # the kept bf16 gradients, in that order
         self.numel = 0
         self.queued = False
         self.adds = 0  # the add kernels issued so far (one per run of parameters)
+        self._plans: dict[tuple, list[tuple[int, int, int, list[int]]]] = {}
 
     def __call__(self, lp, group_idx: int, param_idx: int) -> None:
         """A parameter's gradient is complete (its post-accumulate-grad hook): keep it."""
@@ -176,10 +185,10 @@ class _MultiTensorAccumulation:
         grad = lp.grad
         if grad is None:
             return
-        hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]
-        self.pending.append((group_idx, param_idx, hp_grad, grad))
+        self.keys.append((group_idx, param_idx))
+        self.pending.append(grad)
         self.numel += grad.numel()
-        lp._hp_grad = hp_grad
+        lp._hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]
         opt.fp32_groups_has_gradients[group_idx][param_idx] = True
         lp.grad = None
         if not self.queued:  # once per backward: add what is left when it ends
@@ -195,38 +204,57 @@ class _MultiTensorAccumulation:
     @torch.no_grad()
     def flush(self) -> None:
         """Add every kept gradient into its fp32 slice: one concatenation and one add per run
-        of parameters adjacent in the flat buffer."""
-        pending, self.pending, self.numel = self.pending, [], 0
-        pending.sort(key=lambda entry: entry[:2])
-        run: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        for entry in pending:
-            if run and not _adjacent(run[-1], entry):
-                self._add(run)
-                run = []
-            run.append(entry)
-        if run:
-            self._add(run)
-
-    def _add(self, run: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
-        self.adds += 1
-        if len(run) == 1:
-            _, _, hp_grad, grad = run[0]
-            hp_grad.add_(grad.view(hp_grad.shape))
+        of parameters adjacent in the flat buffer (a single gradient: its add alone)."""
+        keys, grads = tuple(self.keys), self.pending
+        self.keys, self.pending, self.numel = [], [], 0
+        if not keys:
             return
-        flat = self.optimizer.fp32_groups_gradients_flat[run[0][0]]
-        start = run[0][2].storage_offset() - flat.storage_offset()
-        total = sum(entry[2].numel() for entry in run)
-        flat.narrow(0, start, total).add_(torch.cat([entry[3].reshape(-1) for entry in run]))
+        plan = self._plans.get(keys)
+        if plan is None:
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            plan = self._plans[keys] = self._plan(keys)
+        gradients = self.optimizer.fp32_groups_gradients
+        for group, param, start, order in plan:
+            self.adds += 1
+            if len(order) == 1:
+                hp_grad = gradients[group][param]
+                hp_grad.add_(grads[order[0]].view(hp_grad.shape))
+                continue
+            run = _flatten_dense_tensors([grads[i] for i in order])  # one concatenation
+            flat = self.optimizer.fp32_groups_gradients_flat[group]
+            flat.narrow(0, start, run.numel()).add_(run)
+
+    def _plan(self, keys: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int, list[int]]]:
+        """The runs of kept gradients ``keys``: (group, first parameter, its offset in the
+        group's flat fp32 buffer, the positions in ``keys`` of the run's gradients in buffer
+        order). A run continues while the next parameter's fp32 slice starts where the last
+        one ends in the same group (and its gradient has the same dtype)."""
+        opt = self.optimizer
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        dtypes = {(g, p): opt.bf16_groups[g][p].dtype for g, p in keys}
+        plan: list[tuple[int, int, int, list[int]]] = []
+        last = None
+        for i in order:
+            group, param = keys[i]
+            hp = opt.fp32_groups_gradients[group][param]
+            offset = hp.storage_offset() - opt.fp32_groups_gradients_flat[group].storage_offset()
+            if (
+                last is not None
+                and last[0] == group
+                and last[1] == offset
+                and last[2] == dtypes[keys[i]]
+            ):
+                plan[-1][3].append(i)
+            else:
+                plan.append((group, param, offset, [i]))
+            last = (group, offset + hp.numel(), dtypes[keys[i]])
+        return plan
 
 
-def _adjacent(a: tuple, b: tuple) -> bool:
-    """Whether kept gradient ``b`` continues ``a`` in the same flat fp32 buffer, in one dtype."""
-    (group_a, _, hp_a, grad_a), (group_b, _, hp_b, grad_b) = a, b
-    return (
-        group_a == group_b
-        and grad_a.dtype == grad_b.dtype
-        and hp_b.storage_offset() == hp_a.storage_offset() + hp_a.numel()
-    )
+_PLANS = 64
+"""Sequences of kept gradients whose runs :class:`_MultiTensorAccumulation` keeps (one per
+flush point of a backward: the end, and each bucket cut)."""
 
 
 def _global_grad_norm(grads: list[torch.Tensor], norm_type: float, mpu) -> torch.Tensor:

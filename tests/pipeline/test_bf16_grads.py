@@ -313,3 +313,58 @@ if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
     sys.stdout.flush()
     os._exit(0)
+
+
+def test_multi_tensor_accumulation_adds_runs_as_each_gradient_alone():
+    """bf16_grads._MultiTensorAccumulation over two parameter groups with a gap in one flat
+    buffer, a bucket that cuts the backward, and micro-batches that reuse the kept plans:
+    every fp32 slice ends bit-identical to adding each bf16 gradient alone, in one add per
+    run of adjacent parameters per flush."""
+    import types
+
+    from megatron_branchnorm.training.bf16_grads import _MultiTensorAccumulation
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [[3, 5, 4, 2], [6, 1, 7]]
+    params = [[torch.randn(n, generator=gen).bfloat16().requires_grad_() for n in g] for g in sizes]
+    flats, slices = [], []
+    for group, g_sizes in enumerate(sizes):
+        gap = 2 if group == 0 else 0  # group 0's third slice starts 2 elements late: two runs
+        flat = torch.zeros(sum(g_sizes) + gap)
+        offsets = [sum(g_sizes[:i]) + (gap if i >= 2 else 0) for i in range(len(g_sizes))]
+        flats.append(flat)
+        slices.append([flat.narrow(0, o, n) for o, n in zip(offsets, g_sizes, strict=True)])
+    opt = types.SimpleNamespace(
+        autoep_folding_tp_group=None,
+        bf16_groups=params,
+        fp32_groups_gradients=slices,
+        fp32_groups_gradients_flat=flats,
+        fp32_groups_has_gradients=[[False] * len(g) for g in sizes],
+    )
+    acc = _MultiTensorAccumulation(opt, bucket=12)  # cut once the kept gradients pass 12
+    for group, g_params in enumerate(params):
+        for i, p in enumerate(g_params):
+            p.register_post_accumulate_grad_hook(lambda p, g=group, i=i: acc(p, g, i))
+    expected = [torch.zeros_like(f) for f in flats]
+    adds_per_pass = []
+    for _micro_batch in range(3):
+        weights = [[torch.randn(p.shape, generator=gen) for p in g] for g in params]
+        loss = sum(
+            (p.float() * w).sum() for g, gw in zip(params, weights, strict=True)
+            for p, w in zip(g, gw, strict=True)
+        )  # fmt: skip
+        before = acc.adds
+        loss.backward()
+        adds_per_pass.append(acc.adds - before)
+        for group, g_params in enumerate(params):
+            for i, p in enumerate(g_params):
+                ref = expected[group].narrow(0, slices[group][i].storage_offset(), p.numel())
+                ref.add_(weights[group][i].bfloat16())  # the bf16 gradient, widened
+                assert p.grad is None and opt.fp32_groups_has_gradients[group][i]
+                assert p._hp_grad is slices[group][i]
+    assert all(torch.equal(f, e) for f, e in zip(flats, expected, strict=True))
+    assert not acc.pending and not acc.keys
+    # the same plans every micro-batch; more than one add per pass (the gap, the two
+    # groups, the bucket cut) and fewer than one per tensor
+    assert len(set(adds_per_pass)) == 1 and 3 <= adds_per_pass[0] < 7, adds_per_pass
+    assert 1 < len(acc._plans) <= 3
