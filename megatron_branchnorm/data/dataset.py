@@ -161,6 +161,38 @@ class SampleSource(Protocol):
         ...
 
 
+Side = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""One side of a batch as :meth:`IndexedDataset.take` gives it, with each sentence's length:
+(ids end to end, row of each id, column of each id, lengths)."""
+
+
+def pair_batch(first: int | np.ndarray, src: Side, tgt: Side, ids: torch.Tensor) -> dict[str, Any]:
+    """The batch dict of sentences ``ids`` (module docstring's layout, right-padded with
+    PAD_ID): ``src_tokens`` = ``first`` (a tag per batch or per row), the source ids, EOS;
+    ``prev_output_tokens`` = BOS, the target ids; ``target`` = the target ids, EOS; and the
+    token counts. A few array assignments, whatever the number of sentences."""
+    (s_ids, s_rows, s_cols, s_lens), (t_ids, t_rows, t_cols, t_lens) = src, tgt
+    every = np.arange(s_lens.size)
+    source = np.full((s_lens.size, int(s_lens.max()) + 2), PAD_ID, dtype=np.int64)  # (B, S)
+    prev = np.full((t_lens.size, int(t_lens.max()) + 1), PAD_ID, dtype=np.int64)  # (B, T)
+    target = np.full(prev.shape, PAD_ID, dtype=np.int64)  # (B, T)
+    source[:, 0] = first
+    source[s_rows, s_cols + 1] = s_ids
+    source[every, s_lens + 1] = EOS_ID
+    prev[:, 0] = BOS_ID
+    prev[t_rows, t_cols + 1] = t_ids
+    target[t_rows, t_cols] = t_ids
+    target[every, t_lens] = EOS_ID
+    return {
+        "src_tokens": torch.from_numpy(source),
+        "prev_output_tokens": torch.from_numpy(prev),
+        "target": torch.from_numpy(target),
+        "ids": ids,
+        "ntokens": int(t_lens.sum()) + every.size,
+        "src_ntokens": int(s_lens.sum()) + 2 * every.size,
+    }
+
+
 class TranslationData:
     """All translation directions of one split of a DATA_DIR.
 
@@ -248,35 +280,23 @@ class TranslationData:
 
     def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
         """Batch dict of samples ``indices`` of direction ``group`` (see module docstring):
-        each side read in one gather and placed in one assignment (no loop over sentences)."""
+        each side read in one gather (:meth:`IndexedDataset.take`) and laid out by
+        :func:`pair_batch` (no loop over sentences)."""
         indices = np.asarray(indices, dtype=np.int64)
         src_ds, tgt_ds = self._src[group], self._tgt[group]
-        s_ids, s_rows, s_cols = src_ds.take(indices)
-        t_ids, t_rows, t_cols = tgt_ds.take(indices)
-        s_lens = src_ds.sizes[indices].astype(np.int64)
-        t_lens = tgt_ds.sizes[indices].astype(np.int64)
-        bsz, rows = indices.size, np.arange(indices.size)
-        src = np.full((bsz, int(s_lens.max()) + 2), PAD_ID, dtype=np.int64)  # (B, S)
-        prev = np.full((bsz, int(t_lens.max()) + 1), PAD_ID, dtype=np.int64)  # (B, T)
-        tgt = np.full(prev.shape, PAD_ID, dtype=np.int64)  # (B, T)
-        src[:, 0] = self._tag[group]
-        src[s_rows, s_cols + 1] = s_ids
-        src[rows, s_lens + 1] = EOS_ID
-        prev[:, 0] = BOS_ID
-        prev[t_rows, t_cols + 1] = t_ids
-        tgt[t_rows, t_cols] = t_ids
-        tgt[rows, t_lens] = EOS_ID
-        if src.max() >= self.vocab_size or prev.max() >= self.vocab_size:
+        batch = pair_batch(
+            self._tag[group],
+            (*src_ds.take(indices), src_ds.sizes[indices].astype(np.int64)),
+            (*tgt_ds.take(indices), tgt_ds.sizes[indices].astype(np.int64)),
+            torch.from_numpy(indices + self._offsets[group]),
+        )
+        top = max(int(batch["src_tokens"].max()), int(batch["prev_output_tokens"].max()))
+        if top >= self.vocab_size:
             raise DataError(
                 f"{src_ds.prefix}: token id >= vocab_size {self.vocab_size} (corrupt data)"
             )
         return {
-            "src_tokens": torch.from_numpy(src),
-            "prev_output_tokens": torch.from_numpy(prev),
-            "target": torch.from_numpy(tgt),
-            "ids": torch.from_numpy(indices + self._offsets[group]),
-            "ntokens": int(t_lens.sum()) + bsz,
-            "src_ntokens": int(s_lens.sum()) + 2 * bsz,
+            **batch,
             "direction": self.directions[group],
         }
 

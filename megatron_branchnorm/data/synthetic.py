@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_branchnorm.data.dataset import pair_batch
 from megatron_branchnorm.data.indexed_dataset import ragged_cells
-from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
+from megatron_branchnorm.tokens import EOS_ID
 
 FIRST_WORD = 6  # 0-3 specials, 4 <copy>, 5 <reverse>
 COPY, REVERSE = 4, 5
@@ -51,8 +52,8 @@ class SyntheticData:
 
 def collate(data: SyntheticData, ids: list[int]) -> dict:
     """Right-padded batch dict of long tensors for sample ``ids`` of ``data``: each pair as
-    :meth:`SyntheticData.pair` gives it, placed in a few array assignments (no loop over
-    sentences)."""
+    :meth:`SyntheticData.pair` gives it, laid out by :func:`~megatron_branchnorm.data.dataset.
+    pair_batch` (no loop over sentences)."""
     ids_arr = np.asarray(ids, dtype=np.int64)
     n = data.lengths_raw[ids_arr].astype(np.int64)
     reverse = data.task[ids_arr] != 0
@@ -60,25 +61,10 @@ def collate(data: SyntheticData, ids: list[int]) -> dict:
     first = data._starts[ids_arr][rows]
     words = data._words[first + cols]
     out_words = data._words[first + np.where(reverse[rows], n[rows] - 1 - cols, cols)]
-    bsz, every = ids_arr.size, np.arange(ids_arr.size)
-    src = np.full((bsz, int(n.max()) + 2), PAD_ID, dtype=np.int64)
-    tgt = np.full((bsz, int(n.max()) + 1), PAD_ID, dtype=np.int64)
-    prev = np.full(tgt.shape, PAD_ID, dtype=np.int64)
-    src[:, 0] = np.where(reverse, REVERSE, COPY)
-    src[rows, cols + 1] = words
-    src[every, n + 1] = EOS_ID
-    tgt[rows, cols] = out_words
-    tgt[every, n] = EOS_ID
-    prev[:, 0] = BOS_ID
-    prev[rows, cols + 1] = out_words
-    return {
-        "src_tokens": torch.from_numpy(src),
-        "prev_output_tokens": torch.from_numpy(prev),
-        "target": torch.from_numpy(tgt),
-        "ids": torch.as_tensor(ids, dtype=torch.long),
-        "ntokens": int(n.sum()) + bsz,
-        "src_ntokens": int(n.sum()) + 2 * bsz,
-    }
+    side = (rows, cols, n)
+    tasks = np.where(reverse, REVERSE, COPY)  # each source's first token
+    ids_t = torch.as_tensor(ids, dtype=torch.long)
+    return pair_batch(tasks, (words, *side), (out_words, *side), ids_t)
 
 
 class SyntheticBatches:

@@ -320,12 +320,10 @@ def set_branch_scale(module: nn.Module, cfg: ModelConfig, step: int) -> float:
             module.__dict__["_branch_scale_tensor"] = shared  # not a buffer: no state-dict key
         shared.fill_(alpha)
     for block in blocks:
-        if block.branch_scale != alpha or block.scale_tensor is not (
-            shared if block.scheme.step_scaled else None
-        ):  # the attributes as they stand (once alpha_t reaches 1) are left alone
-            block.branch_scale = alpha
-            if block.scheme.step_scaled:
-                block.scale_tensor = shared
+        tensor = shared if block.scheme.step_scaled else None
+        if block.branch_scale != alpha or block.scale_tensor is not tensor:
+            block.branch_scale = alpha  # (once alpha_t reaches 1, blocks are left alone)
+            block.scale_tensor = tensor
     return alpha
 
 

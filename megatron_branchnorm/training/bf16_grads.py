@@ -231,24 +231,18 @@ class _MultiTensorAccumulation:
         order). A run continues while the next parameter's fp32 slice starts where the last
         one ends in the same group (and its gradient has the same dtype)."""
         opt = self.optimizer
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        dtypes = {(g, p): opt.bf16_groups[g][p].dtype for g, p in keys}
         plan: list[tuple[int, int, int, list[int]]] = []
-        last = None
-        for i in order:
+        end = None  # (group, where the last slice ends, its dtype)
+        for i in sorted(range(len(keys)), key=keys.__getitem__):
             group, param = keys[i]
             hp = opt.fp32_groups_gradients[group][param]
             offset = hp.storage_offset() - opt.fp32_groups_gradients_flat[group].storage_offset()
-            if (
-                last is not None
-                and last[0] == group
-                and last[1] == offset
-                and last[2] == dtypes[keys[i]]
-            ):
+            dtype = opt.bf16_groups[group][param].dtype
+            if end == (group, offset, dtype):
                 plan[-1][3].append(i)
             else:
                 plan.append((group, param, offset, [i]))
-            last = (group, offset + hp.numel(), dtypes[keys[i]])
+            end = (group, offset + hp.numel(), dtype)
         return plan
 
 
