@@ -6,9 +6,12 @@ A bucket shape is ``(rows, src_len, tgt_len)`` with ``rows = max_tokens // max(s
 tgt_len)``, so a padded micro-batch never holds more than ``data.max_tokens`` slots on either
 side. A sentence pair of tensor lengths (S, T) belongs to the cheapest shape that holds it
 (``src_len >= S`` and ``tgt_len >= T``, least ``src_len + tgt_len``, the first of equals); the
-sampler cuts each bucket's sentences of a direction into micro-batches of ``rows`` sentences,
-so a micro-batch never mixes buckets (a bucket's last, mostly empty micro-batch may give its
-sentences to a larger shape: :meth:`Buckets.arrange`).
+sampler cuts each bucket's sentences of a direction into full micro-batches of ``rows``
+sentences and pools what each direction leaves over in a bucket (fewer than ``rows``) with the
+other directions' into the epoch's last micro-batches of that bucket, so a micro-batch never
+mixes buckets (a bucket's last, mostly empty micro-batch may give its sentences to a larger
+shape: :meth:`Buckets.arrange`). Kept apart, those leftovers made a third of an epoch's padding
+on a corpus of many small directions.
 
 The shapes are chosen greedily over the two-dimensional histogram of (S, T), weighted by how
 often each direction's sentences are drawn per epoch: starting from the one shape that holds
@@ -250,16 +253,21 @@ class Buckets:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def epoch_padding(self, hist: LengthHistogram) -> float:
-        """The padding share an epoch drawn as ``hist`` would have: each direction's sentences
-        in their buckets, leftovers moved as :meth:`arrange` moves them, every micro-batch
-        ``rows`` long (which sentences move does not change the count of slots)."""
+        """The padding share an epoch drawn as ``hist`` would have, cut as the sampler cuts
+        it: each direction's full micro-batches per bucket, then the sentences every direction
+        left over pooled by bucket and moved up as :meth:`arrange` moves them, every
+        micro-batch ``rows`` long (which sentences move does not change the count of slots)."""
         cost = self.src_len + self.tgt_len
         real = slots = 0
+        tail = np.zeros(len(self), dtype=np.int64)
         for s, t, w in hist.directions:
             counts = np.bincount(self.bucket_of(s, t), weights=w, minlength=len(self))
-            final = self.arrange(counts.astype(np.int64))[1]
-            slots += int((-(-final // self.rows) * self.rows * cost).sum())
+            counts = counts.astype(np.int64)
+            slots += int((counts // self.rows * self.rows * cost).sum())
+            tail += counts % self.rows
             real += int((w * (s + t)).sum())
+        final = self.arrange(tail)[1]
+        slots += int((-(-final // self.rows) * self.rows * cost).sum())
         return 1.0 - real / max(slots, 1)
 
     def padding_share(self, buckets: np.ndarray, real_tokens: int) -> float:

@@ -4,7 +4,8 @@
 * :class:`TranslationData` opens the indexed datasets of every direction of one split and turns
   samples into tensors: ``src_tokens = <2tgt> x_1..x_n </s>``, ``prev_output_tokens =
   <s> y_1..y_m``, ``target = y_1..y_m </s>`` (right-padded with PAD_ID).
-* :class:`BatchSampler` yields token-budget micro-batches, one direction per batch.
+* :class:`BatchSampler` yields token-budget micro-batches, one direction per batch (with bucket
+  shapes, the epoch's last batches of each shape pool several directions' leftovers).
 
 Sampling (``shuffle=True``): an epoch holds N = sum_i n_i samples, direction i contributing
 round(N * p_i) with p_i ~ n_i^(1/T) (largest-remainder rounding, so each count is within one
@@ -14,7 +15,9 @@ down-sampled one sees all its samples over successive epochs. Within a direction
 samples are sorted by length (random tie-break) and cut greedily into batches with
 B * max(S, T) <= max_tokens; then the batches of all directions are shuffled. With bucket
 shapes (``max_shapes`` > 0, data/buckets.py), the samples of a direction are grouped by bucket
-instead and each bucket cut into batches of its shape's rows. Everything is a function of
+instead and each bucket cut into full batches of its shape's rows; what each direction leaves
+over in a bucket is pooled with the other directions' and cut into that bucket's last batches,
+one row per sentence with its own direction's tag (docs/design.md §18). Everything is a function of
 (seed, epoch) only: the order never depends on how many steps are run, and ``state_dict()`` is
 just (epoch, batch position).
 
@@ -56,6 +59,10 @@ __all__ = [
 
 # Tags that keep the random streams of the sampler apart (numpy SeedSequence entropy words).
 _STREAM_PASS, _STREAM_TIEBREAK, _STREAM_ORDER = 1, 2, 3
+POOLED_TAILS = "pooled"
+"""A bucketed stream position's ``bucket_tails``: each direction's sentences left over in a
+bucket (fewer than its rows) are cut together with the other directions' (docs/design.md §18);
+a position saved before that (no such key) belongs to another cut."""
 
 
 def _require(ok: bool, path: Path, msg: str) -> None:
@@ -152,8 +159,9 @@ class SampleSource(Protocol):
         """(source, target) tensor lengths, specials included, of every local index."""
         ...
 
-    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
-        """The batch dict of these samples of direction ``group``."""
+    def collate(self, group: int | np.ndarray, indices: np.ndarray) -> dict[str, Any]:
+        """The batch dict of these samples of direction ``group``; with bucket shapes, ``group``
+        may also be an array: each sample's direction (a pooled last batch)."""
         ...
 
     def sample_offset(self, group: int) -> int:
@@ -278,27 +286,49 @@ class TranslationData:
         """The raw (source, target) token ids of one sample, without tag or specials."""
         return np.asarray(self._src[group][index]), np.asarray(self._tgt[group][index])
 
-    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
-        """Batch dict of samples ``indices`` of direction ``group`` (see module docstring):
-        each side read in one gather (:meth:`IndexedDataset.take`) and laid out by
-        :func:`pair_batch` (no loop over sentences)."""
+    def collate(self, group: int | np.ndarray, indices: np.ndarray) -> dict[str, Any]:
+        """Batch dict of samples ``indices`` of direction ``group`` (see module docstring), or
+        of each sample's direction when ``group`` is an array (a pooled last batch of a
+        bucketed epoch, docs/design.md §18): each side read in one gather per direction
+        (:meth:`IndexedDataset.take`) and laid out by :func:`pair_batch` (no loop over
+        sentences)."""
         indices = np.asarray(indices, dtype=np.int64)
-        src_ds, tgt_ds = self._src[group], self._tgt[group]
-        batch = pair_batch(
-            self._tag[group],
-            (*src_ds.take(indices), src_ds.sizes[indices].astype(np.int64)),
-            (*tgt_ds.take(indices), tgt_ds.sizes[indices].astype(np.int64)),
-            torch.from_numpy(indices + self._offsets[group]),
-        )
-        top = max(int(batch["src_tokens"].max()), int(batch["prev_output_tokens"].max()))
-        if top >= self.vocab_size:
-            raise DataError(
-                f"{src_ds.prefix}: token id >= vocab_size {self.vocab_size} (corrupt data)"
-            )
-        return {
-            **batch,
-            "direction": self.directions[group],
-        }
+        if np.ndim(group) == 0:
+            group = int(group)
+            src, tgt = self._side(self._src, group, indices), self._side(self._tgt, group, indices)
+            first, names = self._tag[group], self.directions[group]
+        else:
+            group = np.asarray(group, dtype=np.int64)
+            parts = [(g, np.flatnonzero(group == g)) for g in np.unique(group).tolist()]
+            src = _rows_of([(rows, self._side(self._src, g, indices[rows])) for g, rows in parts])
+            tgt = _rows_of([(rows, self._side(self._tgt, g, indices[rows])) for g, rows in parts])
+            first = np.asarray(self._tag)[group]
+            names = ",".join(self.directions[g] for g, _ in parts)
+        ids = indices + np.asarray(self._offsets, dtype=np.int64)[group]
+        return {**pair_batch(first, src, tgt, torch.from_numpy(ids)), "direction": names}
+
+    def _side(self, datasets: list[IndexedDataset], group: int, indices: np.ndarray) -> Side:
+        """One side of samples ``indices`` of direction ``group``: one gather, checked against
+        the vocabulary (a corrupt file names itself)."""
+        ds = datasets[group]
+        ids, rows, cols = ds.take(indices)
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise DataError(f"{ds.prefix}: token id >= vocab_size {self.vocab_size} (corrupt data)")
+        return ids, rows, cols, ds.sizes[indices].astype(np.int64)
+
+
+def _rows_of(parts: list[tuple[np.ndarray, Side]]) -> Side:
+    """One side of a batch from parts read apart (``rows``: where each part's sentences sit in
+    the batch)."""
+    lens = np.zeros(sum(rows.size for rows, _ in parts), dtype=np.int64)
+    for rows, (_, _, _, n) in parts:
+        lens[rows] = n
+    return (
+        np.concatenate([ids for _, (ids, _, _, _) in parts]),
+        np.concatenate([rows[r] for rows, (_, r, _, _) in parts]),
+        np.concatenate([c for _, (_, _, c, _) in parts]),
+        lens,
+    )
 
 
 def _batches_by_length(indices: np.ndarray, keys: np.ndarray, max_tokens: int) -> list[np.ndarray]:
@@ -353,7 +383,8 @@ class EpochPlan:
     ``ntokens``, ``src_ntokens``, ``samples`` and ``fingerprints`` have one entry per global
     batch, in stream order (the update's totals and ``ids_hash`` need every data-parallel
     rank's batches); ``mine`` maps the positions this rank reads to (direction, sample
-    indices), what :meth:`BatchSampler.collate` turns into the batch. ``shapes``: the bucket
+    indices), what :meth:`BatchSampler.collate` turns into the batch (the direction is an
+    array, each sample's, for a pooled last batch of several directions). ``shapes``: the bucket
     of every batch (None without bucket shapes). A plan of the shapes alone
     (:meth:`BatchSampler.epoch_shapes`, for a stage that reads no data) has None for the
     four sizes and nothing in ``mine``."""
@@ -370,10 +401,29 @@ class EpochPlan:
         return int((self.ntokens if self.ntokens is not None else self.shapes).size)
 
 
+def _batches_of(g: int | np.ndarray, idx: np.ndarray, ends: np.ndarray) -> list[tuple]:
+    """``idx`` cut at ``ends`` into (direction, indices) pairs, int32 where they fit;
+    ``g`` is one direction or each sample's (a pooled batch of several directions keeps the
+    array, a pooled batch of one direction the int)."""
+    if ends.size == 0:
+        return []
+    small = idx.astype(np.int32) if idx.size and idx.max() < 2**31 else idx
+    parts = np.split(small, ends[:-1])
+    if np.ndim(g) == 0:
+        return [(int(g), part) for part in parts]
+    out = []
+    for groups, part in zip(np.split(np.asarray(g), ends[:-1]), parts, strict=True):
+        one = groups.size and (groups == groups[0]).all()
+        out.append((int(groups[0]) if one else groups.copy(), part))
+    return out
+
+
 def _stats(bounds: np.ndarray, per_sample: list[np.ndarray]) -> list[np.ndarray]:
     """Sums of each array of ``per_sample`` over the batches ending at ``bounds``."""
+    if bounds.size == 0:  # a direction with no batch of its own (its sentences pooled)
+        return [x[:0] for x in per_sample]
     starts = np.concatenate([[0], bounds[:-1]]).astype(np.int64)
-    return [np.add.reduceat(x, starts) if starts.size else x[:0] for x in per_sample]
+    return [np.add.reduceat(x, starts) for x in per_sample]
 
 
 def bucket_identity(buckets: Buckets | None) -> str:
@@ -508,8 +558,13 @@ class BatchSampler:
             parts.append(valid[perm[lo:hi]])
         return np.concatenate(parts)
 
-    def _direction_batches(self, g: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Direction ``g``'s samples of ``epoch`` in batch order and where each batch ends."""
+    def _direction_batches(
+        self, g: int, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Direction ``g``'s samples of ``epoch`` in batch order and where each batch ends;
+        with bucket shapes, its full micro-batches only, and the sentences left over in each
+        bucket (indices and buckets, bucket order), which :meth:`_tail_batches` pools with the
+        other directions' (docs/design.md §18)."""
         if self.shuffle:  # shuffled first, so the stable sort breaks ties at random
             idx = self._epoch_samples(g, epoch)
             idx = idx[self._rng(_STREAM_TIEBREAK, g, epoch).permutation(idx.size)]
@@ -517,21 +572,45 @@ class BatchSampler:
             idx = self.data.group_indices(g)
         keys = self._sort_keys(g)[idx]
         order = np.argsort(keys, kind="stable")
+        idx, keys = idx[order], keys[order]
         if self.buckets is None:
-            return idx[order], _batch_ends(keys[order], self.max_tokens)
-        idx = idx[order]
+            return idx, _batch_ends(keys, self.max_tokens), idx[:0], keys[:0]
+        counts = np.bincount(keys, minlength=len(self.buckets))
+        full = counts - counts % self.buckets.rows
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        in_full = np.arange(idx.size) - np.repeat(starts, counts) < np.repeat(full, counts)
+        ends = self.buckets.batch_ends(full)[0]
+        return idx[in_full], ends, idx[~in_full], keys[~in_full]
+
+    def _tail_batches(
+        self, rests: list[tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The epoch's last batches: every direction's leftover sentences (``rests[g]``:
+        indices and buckets, as :meth:`_direction_batches` gives them) pooled by bucket
+        (bucket, then direction, then the direction's order), cut by :meth:`Buckets.arrange`
+        and :meth:`Buckets.batch_ends`. Returns the direction and index of each sentence in
+        batch order, and where each batch ends."""
+        groups = np.concatenate(
+            [np.full(idx.size, g, dtype=np.int64) for g, (idx, _) in enumerate(rests)]
+        )
+        idx = np.concatenate([idx for idx, _ in rests]).astype(np.int64)
+        keys = np.concatenate([keys for _, keys in rests])
+        order = np.argsort(keys, kind="stable")
+        groups, idx, keys = groups[order], idx[order], keys[order]
         ranges, final = self.buckets.arrange(np.bincount(keys, minlength=len(self.buckets)))
-        parts = [idx[a:b] for runs in ranges for a, b in runs]
-        idx = np.concatenate(parts) if parts else idx
-        return idx, self.buckets.batch_ends(final)[0]
+        take = np.concatenate(
+            [np.arange(a, b) for runs in ranges for a, b in runs] or [np.zeros(0, np.int64)]
+        )
+        return groups[take], idx[take], self.buckets.batch_ends(final)[0]
 
     def _count_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """How many batches each direction cuts in ``epoch``, and the bucket of each batch in
-        direction order (None without buckets). The cut depends only on the sorted keys, that
+        """How many batches each direction cuts in ``epoch`` (with bucket shapes, one more
+        entry: the pooled last batches of :meth:`_tail_batches`), and the bucket of each batch
+        in that order (None without buckets). The cut depends only on the sorted keys, that
         is on their histogram: no tie-break permutation or sort here."""
         ndir = len(self.data.directions)
-        counts = np.zeros(ndir, dtype=np.int64)
-        buckets = []
+        counts = np.zeros(ndir + (self.buckets is not None), dtype=np.int64)
+        buckets, tail = [], 0
         for g in range(ndir):
             hist = np.bincount(self._sort_keys(g)[self._epoch_samples(g, epoch)])
             if self.buckets is None:
@@ -539,21 +618,35 @@ class BatchSampler:
                 counts[g] = _batch_ends(keys, self.max_tokens).size
                 continue
             hist = np.pad(hist, (0, len(self.buckets) - hist.size))
-            ends, of_batch = self.buckets.batch_ends(self.buckets.arrange(hist)[1])
+            ends, of_batch = self.buckets.batch_ends(hist - hist % self.buckets.rows)
             counts[g] = ends.size
             buckets.append(of_batch)
+            tail = tail + hist % self.buckets.rows
         if self.buckets is None:
             return counts, None
-        return counts, np.concatenate(buckets) if buckets else np.zeros(0, dtype=np.uint8)
+        ends, of_batch = self.buckets.batch_ends(self.buckets.arrange(tail)[1])
+        counts[ndir] = ends.size
+        buckets.append(of_batch)
+        return counts, np.concatenate(buckets)
+
+    def _cut(self, epoch: int):
+        """Each batch group of ``epoch`` in batch-id order: (direction, or per-sample
+        directions for the pooled last batches, indices, batch ends)."""
+        rests = []
+        for g in range(len(self.data.directions)):
+            idx, ends, rest_idx, rest_keys = self._direction_batches(g, epoch)
+            rests.append((rest_idx, rest_keys))
+            yield g, idx, ends
+        if self.buckets is not None:
+            yield self._tail_batches(rests)
 
     def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """Every batch of ``epoch`` for this rank (the whole plan: a validation pass, tests)."""
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
-        batches: list[tuple[int, np.ndarray]] = []
-        for g in range(len(self.data.directions)):
-            idx, ends = self._direction_batches(g, epoch)
-            batches += [(g, b) for b in np.split(idx, ends[:-1])]
+        batches: list[tuple[Any, np.ndarray]] = []
+        for g, idx, ends in self._cut(epoch):
+            batches += _batches_of(g, idx, ends)
         if self.shuffle:
             perm = self._rng(_STREAM_ORDER, epoch).permutation(len(batches))
             batches = [batches[i] for i in perm]
@@ -574,7 +667,6 @@ class BatchSampler:
         direction and this rank's share rather than the corpus (docs/design.md §15)."""
         if not self.shuffle or self.world_size != 1:
             raise ValueError("epoch_plan is the shuffled stream of one sampler for all ranks")
-        ndir = len(self.data.directions)
         # Pass 1: how many batches each direction cuts, and the global order.
         counts, buckets, perm = self._order(epoch)
         total = perm.size
@@ -584,31 +676,28 @@ class BatchSampler:
         position_of[perm[positions]] = positions
         sums = [np.zeros(total, dtype=np.int64) for _ in range(3)]
         prints = np.zeros(total, dtype=np.uint64)
-        mine: dict[int, tuple[int, np.ndarray]] = {}
-        # Pass 2: each direction's batches, their sizes, and a copy of the kept ones only.
-        for g in range(ndir):
-            idx, ends = self._direction_batches(g, epoch)
-            if ends.size != counts[g]:
-                raise RuntimeError(f"direction {g}: {ends.size} batches, counted {counts[g]}")
-            src_len, tgt_len = self.data.group_lengths(g)
-            lo, hi = int(first[g]), int(first[g + 1])
-            ids = idx + self.data.sample_offset(g)
+        mine: dict[int, tuple[Any, np.ndarray]] = {}
+        # Pass 2: each direction's batches, their sizes, and a copy of the kept ones only;
+        # with bucket shapes, last the batches of the sentences every direction left over.
+        for part, (g, idx, ends) in enumerate(self._cut(epoch)):
+            if ends.size != counts[part]:
+                raise RuntimeError(
+                    f"batch group {part}: {ends.size} batches, counted {counts[part]}"
+                )
+            src_len, tgt_len, ids = self._per_sample(g, idx)
+            lo, hi = int(first[part]), int(first[part + 1])
             *per_batch, prints[lo:hi] = _stats(
-                ends, [tgt_len[idx], src_len[idx], np.ones_like(idx), id_fingerprints(ids)]
+                ends, [tgt_len, src_len, np.ones_like(idx), id_fingerprints(ids)]
             )
-            for total_of, part in zip(sums, per_batch, strict=True):
-                total_of[lo:hi] = part
+            for total_of, batch_part in zip(sums, per_batch, strict=True):
+                total_of[lo:hi] = batch_part
             kept = position_of[lo:hi] >= 0
             if kept.any():
-                sizes = per_batch[2][kept]
-                own = idx[np.repeat(kept, per_batch[2])]  # a copy: idx itself is let go
-                own = own.astype(np.int32) if own.size and own.max() < 2**31 else own
-                for pos, part in zip(
-                    position_of[lo:hi][kept].tolist(),
-                    np.split(own, np.cumsum(sizes)[:-1]),
-                    strict=True,
-                ):
-                    mine[pos] = (g, part)
+                sample_kept = np.repeat(kept, per_batch[2])  # copies: idx itself is let go
+                own_g = g if np.ndim(g) == 0 else g[sample_kept]
+                held = _batches_of(own_g, idx[sample_kept], np.cumsum(per_batch[2][kept]))
+                for pos, batch in zip(position_of[lo:hi][kept].tolist(), held, strict=True):
+                    mine[pos] = batch
         return EpochPlan(
             epoch,
             ntokens=sums[0][perm],
@@ -618,6 +707,21 @@ class BatchSampler:
             mine=mine,
             shapes=None if buckets is None else buckets[perm],
         )
+
+    def _per_sample(
+        self, g: int | np.ndarray, idx: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Source length, target length and global id of samples ``idx`` of direction ``g``
+        (one direction, or each sample's)."""
+        if np.ndim(g) == 0:
+            src_len, tgt_len = self.data.group_lengths(int(g))
+            return src_len[idx], tgt_len[idx], idx + self.data.sample_offset(int(g))
+        out = [np.zeros(idx.size, dtype=np.int64) for _ in range(3)]
+        for d in np.unique(g).tolist():
+            at = g == d
+            for x, y in zip(out, self._per_sample(d, idx[at]), strict=True):
+                x[at] = y
+        return tuple(out)
 
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Batches per direction, the bucket of each batch (direction order; None without
@@ -637,8 +741,8 @@ class BatchSampler:
         _, buckets, perm = self._order(epoch)
         return EpochPlan(epoch, None, None, None, None, {}, shapes=buckets[perm])
 
-    def collate(self, group: int, indices: np.ndarray) -> dict[str, Any]:
-        """The batch of these samples of direction ``group``."""
+    def collate(self, group: int | np.ndarray, indices: np.ndarray) -> dict[str, Any]:
+        """The batch of these samples of direction ``group`` (or of each sample's)."""
         return self.data.collate(group, indices)
 
     def batches_per_epoch(self, epoch: int = 0) -> int:
@@ -671,6 +775,7 @@ class BatchSampler:
             "rank": self.rank,
             "num_samples": int(self.counts.sum()),
             "bucket_shapes": bucket_identity(self.buckets),
+            **({} if self.buckets is None else {"bucket_tails": POOLED_TAILS}),
         }
 
     def state_dict(self) -> dict:
@@ -681,6 +786,12 @@ class BatchSampler:
         """A DataError when ``state`` was saved by a sampler with another identity."""
         mine = self.identity()
         check_bucket_state(state, mine["bucket_shapes"])
+        if self.buckets is not None and state.get("bucket_tails") != POOLED_TAILS:
+            raise DataError(
+                "the checkpoint's stream kept each direction's last, partly filled micro-batches "
+                "apart (a version before they were pooled across directions, docs/design.md "
+                "§18): resume it with the version that wrote it"
+            )
         for key, value in mine.items():
             if key in state and state[key] != value:
                 raise DataError(

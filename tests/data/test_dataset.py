@@ -89,6 +89,30 @@ def test_collate_equals_row_by_row(small_data) -> None:
             assert batch["ids"].tolist() == (idx + data.sample_offset(g)).tolist()
 
 
+def test_collate_of_several_directions_equals_row_by_row(small_data) -> None:
+    """A pooled last batch of a bucketed epoch (docs/design.md §18) holds sentences of several
+    directions: each row carries its own direction's tag and sentence pair, in the order
+    given; ids are global; the batch names its directions."""
+    data = TranslationData(str(small_data[0]))
+    m, rng = open_manifest(small_data[0]), np.random.default_rng(8)
+    for n in (2, 5, 40, 77):
+        groups = rng.integers(0, len(data.directions), n)
+        groups[:2] = [0, len(data.directions) - 1]  # at least two directions
+        idx = np.array([rng.choice(data.group_indices(g)) for g in groups])
+        batch = data.collate(groups, idx)
+        rows = []
+        for g, i in zip(groups.tolist(), idx.tolist(), strict=True):
+            s, t = data.pair(g, i)
+            tag = m["tag_ids"][data.directions[g].split("-")[1]]
+            rows.append(([tag, *s.tolist(), EOS_ID], [*t.tolist(), EOS_ID]))
+        assert _same(_padded_rows(rows), batch)
+        assert batch["ntokens"] == sum(len(t) for _, t in rows)
+        assert batch["src_ntokens"] == sum(len(s) for s, _ in rows)
+        offsets = [data.sample_offset(g) for g in groups.tolist()]
+        assert batch["ids"].tolist() == (idx + np.array(offsets)).tolist()
+        assert batch["direction"].split(",") == [data.directions[g] for g in np.unique(groups)]
+
+
 def test_synthetic_collate_equals_row_by_row() -> None:
     data, rng = SyntheticData(300, 40, 24), np.random.default_rng(6)
     for idx in _index_sets(rng, np.arange(len(data))):
