@@ -296,15 +296,19 @@ class TranslationData:
         if np.ndim(group) == 0:
             group = int(group)
             src, tgt = self._side(self._src, group, indices), self._side(self._tgt, group, indices)
-            first, names = self._tag[group], self.directions[group]
+            first, names, ids = (
+                self._tag[group],
+                self.directions[group],
+                indices + self._offsets[group],
+            )
         else:
             group = np.asarray(group, dtype=np.int64)
-            parts = [(g, np.flatnonzero(group == g)) for g in np.unique(group).tolist()]
+            parts = _by_group(group)
             src = _rows_of([(rows, self._side(self._src, g, indices[rows])) for g, rows in parts])
             tgt = _rows_of([(rows, self._side(self._tgt, g, indices[rows])) for g, rows in parts])
             first = np.asarray(self._tag)[group]
             names = ",".join(self.directions[g] for g, _ in parts)
-        ids = indices + np.asarray(self._offsets, dtype=np.int64)[group]
+            ids = indices + np.asarray(self._offsets, dtype=np.int64)[group]
         return {**pair_batch(first, src, tgt, torch.from_numpy(ids)), "direction": names}
 
     def _side(self, datasets: list[IndexedDataset], group: int, indices: np.ndarray) -> Side:
@@ -315,6 +319,12 @@ class TranslationData:
         if ids.size and int(ids.max()) >= self.vocab_size:
             raise DataError(f"{ds.prefix}: token id >= vocab_size {self.vocab_size} (corrupt data)")
         return ids, rows, cols, ds.sizes[indices].astype(np.int64)
+
+
+def _by_group(groups: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(direction, positions) of each direction in ``groups``, the per-sample directions of a
+    pooled batch (docs/design.md §18), in direction order."""
+    return [(g, np.flatnonzero(groups == g)) for g in np.unique(groups).tolist()]
 
 
 def _rows_of(parts: list[tuple[np.ndarray, Side]]) -> Side:
@@ -414,7 +424,7 @@ def _batches_of(g: int | np.ndarray, idx: np.ndarray, ends: np.ndarray) -> list[
     out = []
     for groups, part in zip(np.split(np.asarray(g), ends[:-1]), parts, strict=True):
         one = groups.size and (groups == groups[0]).all()
-        out.append((int(groups[0]) if one else groups.copy(), part))
+        out.append((int(groups[0]) if one else groups, part))
     return out
 
 
@@ -577,10 +587,9 @@ class BatchSampler:
             return idx, _batch_ends(keys, self.max_tokens), idx[:0], keys[:0]
         counts = np.bincount(keys, minlength=len(self.buckets))
         full = counts - counts % self.buckets.rows
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        in_full = np.arange(idx.size) - np.repeat(starts, counts) < np.repeat(full, counts)
-        ends = self.buckets.batch_ends(full)[0]
-        return idx[in_full], ends, idx[~in_full], keys[~in_full]
+        starts = np.cumsum(counts) - counts
+        in_full = np.arange(idx.size) - starts[keys] < full[keys]  # place in its bucket's run
+        return idx[in_full], self.buckets.batch_ends(full)[0], idx[~in_full], keys[~in_full]
 
     def _tail_batches(
         self, rests: list[tuple[np.ndarray, np.ndarray]]
@@ -593,7 +602,7 @@ class BatchSampler:
         groups = np.concatenate(
             [np.full(idx.size, g, dtype=np.int64) for g, (idx, _) in enumerate(rests)]
         )
-        idx = np.concatenate([idx for idx, _ in rests]).astype(np.int64)
+        idx = np.concatenate([idx for idx, _ in rests])
         keys = np.concatenate([keys for _, keys in rests])
         order = np.argsort(keys, kind="stable")
         groups, idx, keys = groups[order], idx[order], keys[order]
@@ -618,10 +627,11 @@ class BatchSampler:
                 counts[g] = _batch_ends(keys, self.max_tokens).size
                 continue
             hist = np.pad(hist, (0, len(self.buckets) - hist.size))
-            ends, of_batch = self.buckets.batch_ends(hist - hist % self.buckets.rows)
+            rest = hist % self.buckets.rows
+            ends, of_batch = self.buckets.batch_ends(hist - rest)
             counts[g] = ends.size
             buckets.append(of_batch)
-            tail = tail + hist % self.buckets.rows
+            tail = tail + rest
         if self.buckets is None:
             return counts, None
         ends, of_batch = self.buckets.batch_ends(self.buckets.arrange(tail)[1])
@@ -717,8 +727,7 @@ class BatchSampler:
             src_len, tgt_len = self.data.group_lengths(int(g))
             return src_len[idx], tgt_len[idx], idx + self.data.sample_offset(int(g))
         out = [np.zeros(idx.size, dtype=np.int64) for _ in range(3)]
-        for d in np.unique(g).tolist():
-            at = g == d
+        for d, at in _by_group(g):
             for x, y in zip(out, self._per_sample(d, idx[at]), strict=True):
                 x[at] = y
         return tuple(out)

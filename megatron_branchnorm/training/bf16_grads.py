@@ -272,8 +272,8 @@ def _step(optimizer, closure=None) -> None:
     step with one host sync"); DeepSpeed's own methods do the rest, in its order."""
     from deepspeed.runtime.utils import is_invalid_grad_norm
 
-    if closure is not None:
-        raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
+    if closure is not None:  # DeepSpeed's step refuses it: let it say so
+        return type(optimizer).step(optimizer, closure)
     optimizer.overflow = False
     grads, _experts = optimizer.get_grads_for_norm()
     norm = _global_grad_norm(grads, float(optimizer.norm_type), optimizer.mpu)
