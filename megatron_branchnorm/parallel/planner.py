@@ -260,11 +260,32 @@ class RunPlan:
         return (p - 1) / (m + p - 1)
 
     def stage_checkpoints(self, stage: StagePlan) -> bool:
-        """Whether ``stage`` recomputes its layers: as configured, or under "auto" only when
-        it does not fit one GPU without."""
+        """Whether ``stage`` recomputes its layers: as configured, or under "auto" when it does
+        not fit one GPU without, or when its CUDA graphs (``graph_shapes`` > 0) would replay a
+        larger share of its micro-batches with recompute than without (:meth:`graphs_pay`)."""
         if self.checkpoint_interval == "auto":
-            return stage.total(False, self.overhead) > self.gpu_memory
+            return stage.total(False, self.overhead) > self.gpu_memory or self.graphs_pay(stage)
         return self.checkpoint_interval > 0
+
+    def recomputes_for_graphs(self, stage: StagePlan) -> bool:
+        """Whether ``stage`` recomputes under "auto" for its graphs alone (it fits without)."""
+        return (
+            self.checkpoint_interval == "auto"
+            and stage.total(False, self.overhead) <= self.gpu_memory
+            and self.graphs_pay(stage)
+        )
+
+    def graphs_pay(self, stage: StagePlan) -> bool:
+        """Whether a stage that fits without recompute should still recompute so that its CUDA
+        graphs cover more of its micro-batches (docs/design.md §19, "Recompute for the graphs"):
+        recomputing, a stage wants one graph set per shape instead of one per shape and
+        micro-batch in flight, and its pool holds one micro-batch's activations instead of a
+        second copy of them all. A micro-batch a graph does not cover runs its layers eagerly,
+        which the host paces at several times the GPU's time for them, where recompute adds
+        one forward (a third of a layer's GPU time)."""
+        if not self.graph_shapes:
+            return False
+        return _covered(self._graph_sets(stage, True)) > _covered(self._graph_sets(stage, False))
 
     @property
     def checkpointing(self) -> bool:
@@ -290,7 +311,10 @@ class RunPlan:
         eager allocator's: a second copy of the in-flight activations, or on a stage that
         recomputes, one micro-batch's activations of all its layers (training/cuda_graphs.py,
         "Recompute")."""
-        if self.stage_checkpoints(stage):
+        return self._allowance(stage, self.stage_checkpoints(stage))
+
+    def _allowance(self, stage: StagePlan, recompute: bool) -> float:
+        if recompute:
             pools = stage.act_no_ckpt / max(stage.in_flight, 1)
             free = self.gpu_memory - stage.total(True, self.overhead) - pools
         else:
@@ -301,11 +325,14 @@ class RunPlan:
         """(graph sets ``stage`` needs: every bucket shape times every micro-batch in flight,
         or every shape once on a stage that recomputes; graph sets its allowance holds), the
         latter also capped by the graph count (:data:`MAX_GRAPHS` per stage)."""
-        slots = 1 if self.stage_checkpoints(stage) else stage.in_flight
+        return self._graph_sets(stage, self.stage_checkpoints(stage))
+
+    def _graph_sets(self, stage: StagePlan, recompute: bool) -> tuple[int, int]:
+        slots = 1 if recompute else stage.in_flight
         wanted = self.graph_shapes * slots
         if not stage.graph_set_bytes or not stage.layer_ranges:
             return wanted, 0
-        room = self.graph_allowance(stage) - stage.graph_grad_bytes
+        room = self._allowance(stage, recompute) - stage.graph_grad_bytes
         fit = int(max(room, 0.0) // stage.graph_set_bytes)
         return wanted, min(fit, MAX_GRAPHS // stage.layer_ranges, wanted)
 
@@ -341,6 +368,12 @@ class RunPlan:
     def seconds_per_update(self) -> float:
         """FLOPs / (gpus x sustained TFLOP/s), stretched by the pipeline bubble."""
         return self.flops_per_update / (self.gpus * self.tflops * 1e12) / (1.0 - self.bubble)
+
+
+def _covered(sets: tuple[int, int]) -> float:
+    """The share of a stage's (shape, micro-batch) pairs its graphs replay: fit / wanted."""
+    wanted, fit = sets
+    return fit / wanted if wanted else 0.0
 
 
 def parse_memory(text: str, flag: str = "--gpu-memory", allow_zero: bool = False) -> float:
@@ -510,25 +543,41 @@ def plan_run(
     )
 
 
+def stage_plan(
+    cfg: ExperimentConfig, world: int, device_memory: float, graph_shapes: int = 0
+) -> RunPlan:
+    """The plan the trainer follows for ``cfg`` on ``world`` ranks of ``device_memory`` bytes;
+    ``graph_shapes`` > 0: the stages capture CUDA graphs (training/cuda_graphs.py) of up to
+    that many bucket shapes."""
+    plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
+    return dataclasses.replace(plan, graph_shapes=graph_shapes)
+
+
 def auto_checkpoint_interval(
-    cfg: ExperimentConfig, world: int, stage: int, device_memory: float
+    cfg: ExperimentConfig, world: int, stage: int, device_memory: float, graph_shapes: int = 0
 ) -> int:
     """``pipeline.activation_checkpoint_interval`` for ``stage`` of ``cfg`` on ``world``
     ranks with ``device_memory`` bytes each: the configured interval, or under "auto" 1 when
-    the planner says the stage does not fit without recompute, else 0 (recompute costs a
-    forward pass and its kernel launches: docs/design.md §14)."""
+    the planner says the stage does not fit without recompute, or when the CUDA graphs of
+    ``graph_shapes`` shapes cover more of its micro-batches with recompute
+    (:meth:`RunPlan.graphs_pay`), else 0 (recompute costs a forward pass and its kernel
+    launches: docs/design.md §14)."""
     interval = cfg.pipeline.activation_checkpoint_interval
     if interval != "auto":
         return int(interval)
-    plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
+    plan = stage_plan(cfg, world, device_memory, graph_shapes)
     return int(plan.stage_checkpoints(plan.stage_plans[stage]))
 
 
-def graph_allowance(cfg: ExperimentConfig, world: int, stage: int, device_memory: float) -> float:
-    """Bytes of static buffers ``stage``'s CUDA graphs may keep on a device of
-    ``device_memory`` bytes (:meth:`RunPlan.graph_allowance`): the trainer's bound on them
-    (training/cuda_graphs.install), so that graphs never take what the planned run needs."""
-    plan = plan_run(cfg, world, device_memory, stages=cfg.pipeline.stages)
+def graph_allowance(
+    cfg: ExperimentConfig, world: int, stage: int, device_memory: float, graph_shapes: int
+) -> float:
+    """Bytes of static buffers ``stage``'s CUDA graphs of up to ``graph_shapes`` shapes may
+    keep on a device of ``device_memory`` bytes (:meth:`RunPlan.graph_allowance`, with the
+    recompute :func:`auto_checkpoint_interval` chooses for the same shapes): the trainer's
+    bound on them (training/cuda_graphs.install), so that graphs never take what the planned
+    run needs."""
+    plan = stage_plan(cfg, world, device_memory, graph_shapes)
     return plan.graph_allowance(plan.stage_plans[stage])
 
 
@@ -583,8 +632,16 @@ def _gb(x: float) -> str:
 def _describe_checkpointing(plan: RunPlan) -> str:
     if plan.checkpoint_interval == "auto":
         on = [s.stage for s in plan.stage_plans if plan.stage_checkpoints(s)]
-        which = "none" if not on else f"stage(s) {', '.join(map(str, on))}"
-        return f"auto (recompute where a stage does not fit without: {which})"
+        for_graphs = [s.stage for s in plan.stage_plans if plan.recomputes_for_graphs(s)]
+        memory = [s for s in on if s not in for_graphs]
+        which = "none" if not memory else f"stage(s) {', '.join(map(str, memory))}"
+        text = f"auto (recompute where a stage does not fit without: {which}"
+        if for_graphs:
+            text += (
+                "; where its CUDA graphs then replay more of its micro-batches: stage(s) "
+                + ", ".join(map(str, for_graphs))
+            )
+        return text + ")"
     return f"every {plan.checkpoint_interval} layer(s)" if plan.checkpointing else "off"
 
 
@@ -661,7 +718,9 @@ def _format_graphs(plan: RunPlan) -> list[str]:
             lines.append(f"| {s.stage} | no layers | - | - | - | - | - |")
             continue
         wanted, fit = plan.graph_sets(s)
-        per = "1 (recomputes)" if plan.stage_checkpoints(s) else f"{s.in_flight} (in flight)"
+        per = f"{s.in_flight} (in flight)"
+        if plan.stage_checkpoints(s):
+            per = "1 (recomputes for them)" if plan.recomputes_for_graphs(s) else "1 (recomputes)"
         lines.append(
             f"| {s.stage} | {per} | {s.graph_set_bytes / GB:.3f} | {_gb(s.graph_grad_bytes)} | "
             f"{_gb(plan.graph_allowance(s))} | {wanted} | {fit} |"

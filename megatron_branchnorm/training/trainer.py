@@ -23,6 +23,7 @@ import deepspeed
 import torch
 
 from megatron_branchnorm.config import ConfigError, ExperimentConfig
+from megatron_branchnorm.data.buckets import max_shapes_of
 from megatron_branchnorm.data.sampling import (
     SAMPLING_FILE,
     format_sampling_table,
@@ -180,6 +181,7 @@ class Trainer:
             cfg, self.world, module.stage_id, self.device_memory
         )
         module.set_checkpoint_interval(self.ckpt_interval)
+        self.recompute_for_graphs = False  # set below where the graphs want recompute
         self.fp32 = not (
             self.ds_config.get("fp16", {}).get("enabled")
             or self.ds_config.get("bf16", {}).get("enabled")
@@ -205,23 +207,7 @@ class Trainer:
             ) from None
         install_engine_fixes(self.engine)
         bf16_hooks = install_bf16_grad_accumulation(self.engine)  # one kernel each (§2.3)
-        # CUDA graphs of the stage's layer stack per bucket shape (docs/design.md §19)
-        cuda_graphs.install(
-            module,
-            cfg.model.cuda_graphs,
-            device=torch.device(self.engine.device),
-            bucket_shapes=cfg.data.bucket_shapes,
-            checkpoint_interval=self.ckpt_interval,
-            compiled=cfg.model.compile,
-            grads_handed_over=bf16_hooks and self.engine.optimizer.immediate_grad_update,
-            log=self._stage_log,
-            autocast=bool(self.ds_config.get("torch_autocast", {}).get("enabled")),
-            memory=(  # static buffers kept beside the planned run (planner.graph_allowance)
-                graph_allowance(cfg, self.world, module.stage_id, self.device_memory)
-                if cfg.model.cuda_graphs != "off"
-                else 0.0
-            ),
-        )
+        self._install_graphs(cfg, module, bf16_hooks)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.stage_id = self.engine.stage_id
         dp_id = self.engine.grid.data_parallel_id
@@ -254,6 +240,51 @@ class Trainer:
         )
         self.skips = NonfiniteSkips(
             t.max_consecutive_skips, self.fp32, self.save_dir, self.metrics, self.rank == 0
+        )
+
+    def _install_graphs(self, cfg: ExperimentConfig, module, bf16_hooks: bool) -> None:
+        """The stage's layer stack as CUDA graphs per bucket shape (docs/design.md §19), where
+        ``model.cuda_graphs`` and the run allow. Under activation_checkpoint_interval=auto a
+        stage that fits without recompute still recomputes where that lets its graphs replay
+        more of its micro-batches (planner.RunPlan.graphs_pay)."""
+        settings = dict(
+            device=torch.device(self.engine.device),
+            bucket_shapes=cfg.data.bucket_shapes,
+            compiled=cfg.model.compile,
+            grads_handed_over=bf16_hooks and self.engine.optimizer.immediate_grad_update,
+            autocast=bool(self.ds_config.get("torch_autocast", {}).get("enabled")),
+        )
+        shapes = 0  # the most bucket shapes the stage's graphs take; 0: no graphs
+        if cfg.model.cuda_graphs != "off" and cuda_graphs.eager_reason(**settings) is None:
+            shapes = max_shapes_of(cfg.data.bucket_shapes)
+            interval = auto_checkpoint_interval(
+                cfg, self.world, module.stage_id, self.device_memory, shapes
+            )
+            self.recompute_for_graphs = interval != self.ckpt_interval
+            if self.recompute_for_graphs:
+                self.ckpt_interval = interval
+                module.set_checkpoint_interval(interval)
+        cuda_graphs.install(
+            module,
+            cfg.model.cuda_graphs,
+            checkpoint_interval=self.ckpt_interval,
+            log=self._stage_log,
+            memory=(  # static buffers kept beside the planned run (planner.graph_allowance)
+                graph_allowance(cfg, self.world, module.stage_id, self.device_memory, shapes)
+                if shapes
+                else 0.0
+            ),
+            **settings,
+        )
+
+    def describe_recompute(self) -> str:
+        """The start-up line of activation_checkpoint_interval=auto: what this stage chose."""
+        what = "recomputes every layer" if self.ckpt_interval else "does not recompute"
+        if self.recompute_for_graphs:
+            what += " so that its CUDA graphs replay every bucket shape it can"
+        return (
+            f"activation checkpointing auto: stage {self.stage_id} {what} "
+            f"({self.device_memory / 2**30:.1f} GiB per rank)"
         )
 
     def _stage_log(self, line: str) -> None:
@@ -363,11 +394,7 @@ class Trainer:
                 self.metrics.log(line)
             write_sampling_table(self.save_dir / SAMPLING_FILE, table)
         if cfg.pipeline.activation_checkpoint_interval == "auto":
-            self.metrics.log(
-                f"activation checkpointing auto: stage {self.stage_id} "
-                + ("recomputes every layer" if self.ckpt_interval else "does not recompute")
-                + f" ({self.device_memory / 2**30:.1f} GiB per rank)"
-            )
+            self.metrics.log(self.describe_recompute())
         self.progress.start(self.state.step)  # the clock of elapsed_s, the ETA, the time budget
         self.validator.restore_patience(self.state.step, self.rank, self.save_dir)
 

@@ -236,9 +236,9 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
     from megatron_branchnorm.parallel.planner import MAX_GRAPHS, graph_allowance
 
     cfg = load_config("opus100_1000L")
-    plan = plan_run(cfg, gpus=32, gpu_memory=80 * GB)
+    plan = dataclasses.replace(plan_run(cfg, gpus=32, gpu_memory=80 * GB), graph_shapes=48)
     for s in plan.stage_plans:
-        allowance = graph_allowance(cfg, 32, s.stage, 80 * GB)
+        allowance = graph_allowance(cfg, 32, s.stage, 80 * GB, 48)
         assert allowance == plan.graph_allowance(s)
         recomputes = plan.stage_checkpoints(s)
         if recomputes:  # the pool holds one micro-batch's activations of all the layers
@@ -246,7 +246,7 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
         else:  # the slots' pools hold a second copy of the in-flight activations
             free = 80 * GB - s.total(False, plan.overhead) - s.act_no_ckpt
         assert allowance == max(0.0, free)
-        wanted, fit = dataclasses.replace(plan, graph_shapes=48).graph_sets(s)
+        wanted, fit = plan.graph_sets(s)
         assert wanted == 48 * (1 if recomputes else s.in_flight)
         room = max(allowance - s.graph_grad_bytes, 0.0)
         assert fit == min(int(room // s.graph_set_bytes), MAX_GRAPHS // s.layer_ranges, wanted)
@@ -261,4 +261,46 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
     out = capsys.readouterr().out
     assert "CUDA graphs (model.cuda_graphs on, up to 48 bucket shapes" in out
     assert "| 0 | 1 (recomputes) | 0.017 | 0.47 | 61.89 | 48 | 48 |" in out
-    assert "| 3 | 13 (in flight) | 0.017 | 0.47 | 0.00 | 624 | 0 |" in out
+    assert "| 3 | 1 (recomputes for them) | 0.017 | 0.47 | 63.50 | 48 | 48 |" in out
+    assert "| 14 | 2 (in flight) | 0.025 | 0.46 | 52.08 | 96 | 96 |" in out
+    # a recompute set by number is taken as set: stage 3 then keeps its 13 in flight, and
+    # its graphs find no room beside their second copy of the activations
+    assert plan_command.main([*argv, "pipeline.activation_checkpoint_interval=0"]) == 1
+    assert "| 3 | 13 (in flight) | 0.017 | 0.47 | 0.00 | 624 | 0 |" in capsys.readouterr().out
+
+
+def test_auto_recompute_lets_each_stage_graph_every_micro_batch() -> None:
+    """Under activation_checkpoint_interval=auto with CUDA graphs, a stage that fits without
+    recompute still recomputes when its graphs then replay a larger share of its (shape,
+    micro-batch in flight) pairs (planner.RunPlan.graphs_pay), and only then: opus100_1000L on
+    32 x 80 GB graphed only stages 0-2 and 14-15 fully (3-9 not at all, 10-13 in part), and
+    now every stage; the trainer's choice per stage is the plan's, with or without graphs."""
+    from megatron_branchnorm.parallel.planner import auto_checkpoint_interval
+
+    cfg = load_config("opus100_1000L")
+    assert cfg.pipeline.activation_checkpoint_interval == "auto"
+    eager = plan_run(cfg, 32, 80 * GB)
+    graphed = dataclasses.replace(eager, graph_shapes=48)
+    memory = [s.stage for s in eager.stage_plans if eager.stage_checkpoints(s)]
+    assert memory == [0, 1, 2]  # without graphs: where a stage does not fit without recompute
+    for s in graphed.stage_plans:
+        without = graphed._graph_sets(s, recompute=False)
+        wanted, fit = graphed.graph_sets(s)
+        assert fit == wanted  # every stage graphs all it runs
+        assert graphed.recomputes_for_graphs(s) == (
+            s.stage not in memory and without[1] < without[0]
+        )
+        assert graphed.stage_checkpoints(s) == (s.stage <= 13)
+        assert auto_checkpoint_interval(cfg, 32, s.stage, 80 * GB, 48) == int(s.stage <= 13)
+        assert auto_checkpoint_interval(cfg, 32, s.stage, 80 * GB) == int(s.stage in memory)
+    # recompute only lowers the peak, so the plan still fits; the summary names both reasons
+    assert graphed.fits() and graphed.peak() <= eager.peak()
+    assert (
+        "auto (recompute where a stage does not fit without: stage(s) 0, 1, 2; where its CUDA "
+        "graphs then replay more of its micro-batches: stage(s) 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)"
+    ) in format_plan(graphed)
+    # a tie keeps the cheaper way: one stage, one micro-batch in flight, room for every graph
+    single = load_config("opus100_12L", ["pipeline.stages=1"])
+    one = dataclasses.replace(plan_run(single, 1, 80 * GB), graph_shapes=48)
+    assert one.graph_sets(one.stage_plans[0]) == (48, 48)
+    assert not one.stage_checkpoints(one.stage_plans[0])

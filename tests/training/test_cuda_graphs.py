@@ -572,3 +572,52 @@ def test_the_gpu_checks_recompute_dropout_row_passes_on_the_graph_double() -> No
     from megatron_branchnorm.workflows.gpu_check import recompute_dropout_difference
 
     assert recompute_dropout_difference(cuda=graph_double, device="cpu") == 0.0
+
+
+def test_the_trainer_recomputes_where_its_graphs_then_fit(monkeypatch, tmp_path) -> None:
+    """The trainer's part of planner.RunPlan.graphs_pay, with the device's answers stood in
+    (eager_reason as on a GPU, the device's memory set, install recorded): a stage that fits
+    without recompute, but whose graphs find room for every bucket shape only with it,
+    recomputes, install gets that interval and the allowance of the plan that recomputes,
+    and the start-up line says why; with model.cuda_graphs=off the same stage does not."""
+    from megatron_branchnorm.parallel.planner import MAX_GRAPHS, plan_run, stage_plan
+    from megatron_branchnorm.resources import DS_CONFIG_DIR
+    from megatron_branchnorm.training import environment, trainer
+    from tests.core.helpers import one_rank_process_group
+
+    cfg = load_config(
+        "tiny_cpu",
+        ["pipeline.activation_checkpoint_interval=auto", "data.bucket_shapes=auto",
+         f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}",
+         f"train.save_dir={tmp_path}", "train.eval_interval=0"],
+    )  # fmt: skip
+    base = plan_run(cfg, 1, 1e12)
+    s = base.stage_plans[0]
+    wanted = min(48, MAX_GRAPHS // s.layer_ranges)
+    # exactly room for every graph set beside a recomputing stage's one pool
+    memory = s.total(True, base.overhead) + s.act_no_ckpt + s.graph_grad_bytes
+    memory += wanted * s.graph_set_bytes
+    plan = stage_plan(cfg, 1, memory, graph_shapes=48)
+    assert s.total(False, plan.overhead) <= memory  # it fits without recompute
+    assert plan._graph_sets(plan.stage_plans[0], recompute=False)[1] < wanted
+    assert plan.graph_sets(plan.stage_plans[0]) == (48, wanted)
+    installed = []
+    monkeypatch.setattr(environment, "device_memory_bytes", lambda: memory)
+    monkeypatch.setattr(cuda_graphs, "eager_reason", lambda **_kw: None)
+    monkeypatch.setattr(cuda_graphs, "install", lambda *a, **kw: installed.append(kw) or [])
+    with one_rank_process_group():
+        for mode in ("on", "off"):
+            run = trainer.Trainer(dataclasses.replace(
+                cfg, model=dataclasses.replace(cfg.model, cuda_graphs=mode)))  # fmt: skip
+            got, line = installed[-1], run.describe_recompute()
+            if mode == "on":
+                assert run.ckpt_interval == 1 and run.recompute_for_graphs
+                assert got["checkpoint_interval"] == 1
+                assert got["memory"] == plan.graph_allowance(plan.stage_plans[0]) > 0
+                assert "stage 0 recomputes every layer so that its CUDA graphs" in line
+            else:
+                assert run.ckpt_interval == 0 and not run.recompute_for_graphs
+                assert got["checkpoint_interval"] == 0 and got["memory"] == 0.0
+                assert "stage 0 does not recompute (" in line
+            assert run.module.activation_checkpoint_interval == run.ckpt_interval
+            del run
