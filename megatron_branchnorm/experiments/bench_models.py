@@ -32,13 +32,11 @@ PAD = 1  # fairseq's padding index; token ids >= 4 are words in every implementa
 
 def model_flops(layers: int, dim: int, ffn: int, vocab: int, batch: int, src: int, tgt: int):
     """Matmul FLOPs of one training step (forward + backward = 3x forward) of an L-L
-    encoder-decoder on a (batch, src) -> (batch, tgt) batch; attention scores included."""
-    ns, nt = batch * src, batch * tgt
-    enc = ns * layers * (2 * (4 * dim * dim + 2 * dim * ffn) + 4 * src * dim)
-    dec = nt * layers * (2 * (6 * dim * dim + 2 * dim * ffn) + 4 * tgt * dim + 4 * src * dim)
-    cross_kv = ns * layers * 2 * 2 * dim * dim
-    out = nt * 2 * dim * vocab
-    return 3 * (enc + dec + cross_kv + out)
+    encoder-decoder on a (batch, src) -> (batch, tgt) batch; attention scores included
+    (planner.matmul_flops, which train.py's ``tflops_per_gpu`` counts too)."""
+    from megatron_branchnorm.parallel.planner import matmul_flops
+
+    return matmul_flops(layers, layers, dim, ffn, vocab, batch * src, batch * tgt, batch)
 
 
 def reference_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 0.1) -> torch.Tensor:

@@ -13,10 +13,10 @@ One table, one row per system and batch size (tokens per side per update):
   ``--updates`` updates (40 by default) and then a few under the profiler. Its figures are the
   steady state: the median over the last half of the updates (past the warm-up, the lazy
   optimizer state and any graph capture). tokens/s counts source + target tokens without
-  padding, as train.py's metrics do; the FLOPs are the matmul FLOPs of those tokens
-  (``bench_models.model_flops`` at each micro-batch's shape, scaled by its share of real
-  tokens), divided by the bf16 matmul peak measured at the start of the same run. Peak memory
-  is beside the planner's prediction (``planner.plan_run``) for the same run. Below the
+  padding, as train.py's metrics do; the FLOPs are the model FLOPs of those tokens
+  (``planner.training_flops`` of each update's sentences, what train.py logs as
+  ``tflops_per_gpu``), divided by the bf16 matmul peak measured at the start of the same run.
+  Peak memory is beside the planner's prediction (``planner.plan_run``) for the same run. Below the
   table: the host's time per update in the data stream (reading, collating and padding the
   update's batches: the GPU idles through it after each update's host sync).
 - **train.py+graphs**: the same with ``model.cuda_graphs=on`` (training/cuda_graphs.py: the
@@ -308,7 +308,7 @@ def run_train_py(
     import torch
 
     from megatron_branchnorm.config import load_config
-    from megatron_branchnorm.parallel.planner import plan_run
+    from megatron_branchnorm.parallel.planner import plan_run, training_flops
 
     if system == "train.py+graphs":
         extra = [*extra, "model.cuda_graphs=on"]
@@ -328,13 +328,8 @@ def run_train_py(
             started = time.perf_counter()
             u = next_update()
             data_s.append(time.perf_counter() - started)
-            flops = 0.0
-            for b in u.mine:
-                n, s = b["src_tokens"].shape
-                t = b["target"].shape[1]
-                real = int(b["ntokens"]) + int(b["src_ntokens"])
-                flops += _model_flops(shape, n, s, t) * real / (n * (s + t))
-            shapes.append(flops)
+            src = u.all_tokens - u.target_tokens  # what the trainer counts (metrics.Progress)
+            shapes.append(training_flops(cfg.model, src, u.target_tokens, u.samples))
             return u
 
         def timed(t: int):

@@ -193,6 +193,47 @@ def precision_from_ds_config(path: str) -> Precision:
     return Precision("fp32", 4, 4, 8, 4, stage)
 
 
+def matmul_flops(
+    enc_layers: int,
+    dec_layers: int,
+    dim: int,
+    ffn: int,
+    vocab: int,
+    src_tokens: float,
+    tgt_tokens: float,
+    sentences: float,
+) -> float:
+    """Model FLOPs of one training pass (forward + backward = 3x the forward's matmuls) over
+    ``sentences`` sentence pairs holding ``src_tokens`` source and ``tgt_tokens`` target tokens
+    in all: every weight matmul, the attention scores and weighted values at the mean sentence
+    lengths, the output projection; not the embedding lookup, not the elementwise work and not
+    a recompute (the model-FLOPs convention of PaLM, Chowdhery et al. 2022, appendix B, which
+    counts the work the model needs, whatever the implementation repeats)."""
+    ls = src_tokens / sentences if sentences else 0.0
+    lt = tgt_tokens / sentences if sentences else 0.0
+    d, f = dim, ffn
+    enc = src_tokens * enc_layers * (2 * (4 * d * d + 2 * d * f) + 4 * ls * d)
+    dec = tgt_tokens * dec_layers * (2 * (6 * d * d + 2 * d * f) + 4 * lt * d + 4 * ls * d)
+    cross_kv = src_tokens * dec_layers * 2 * 2 * d * d  # the cross-attention's keys and values
+    out = tgt_tokens * 2 * d * vocab
+    return 3.0 * (enc + dec + cross_kv + out)
+
+
+def training_flops(m: ModelConfig, src_tokens: float, tgt_tokens: float, sentences: float) -> float:
+    """:func:`matmul_flops` of model ``m`` (its vocabulary set): what train.py's
+    ``tflops_per_gpu`` counts for the real tokens of an update."""
+    return matmul_flops(
+        m.encoder_layers,
+        m.decoder_layers,
+        m.hidden_size,
+        m.ffn_hidden_size,
+        m.vocab_size or 0,
+        src_tokens,
+        tgt_tokens,
+        sentences,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------

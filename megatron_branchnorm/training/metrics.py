@@ -27,7 +27,7 @@ from megatron_branchnorm.formats.records import (
     write_row,
 )
 
-TIMING_KEYS = ("tokens_per_sec", "memory_mb", "elapsed_s", "eta_s")
+TIMING_KEYS = ("tokens_per_sec", "tflops_per_gpu", "memory_mb", "elapsed_s", "eta_s")
 """The keys that depend on the machine and its load, not on what was trained."""
 UNCOMPARED_KEYS = (*TIMING_KEYS, REDONE_KEY)
 """What :func:`first_difference` leaves out: timings, and the reader's mark of a row redone
@@ -186,6 +186,7 @@ class TrainingRow:
     alpha: float
     loss_scale: float
     tokens_per_sec: float
+    tflops_per_gpu: float
     samples: int
     ids_hash: str
     skipped_steps: int
@@ -196,11 +197,17 @@ class TrainingRow:
 
 class Progress:
     """The training row of ``metrics.jsonl`` and the console line, every train.log_interval
-    applied updates and at the last: losses, throughput since the last row, time used and
-    the estimated time to the end."""
+    applied updates and at the last: losses, throughput since the last row (tokens per second
+    over all ranks, and model TFLOP/s per GPU over the ``gpus`` of the run), time used and the
+    estimated time to the end."""
 
     def __init__(
-        self, metrics: MetricsLog, log_interval: int, max_steps: int, max_time_minutes: float
+        self,
+        metrics: MetricsLog,
+        log_interval: int,
+        max_steps: int,
+        max_time_minutes: float,
+        gpus: int = 1,
     ) -> None:
         self.metrics = metrics
         self.log_interval, self.max_steps, self.budget_min = (
@@ -208,11 +215,12 @@ class Progress:
             max_steps,
             max_time_minutes,
         )
+        self.gpus = gpus
         self._clock(0)
 
     def _clock(self, step: int) -> None:
         self.start_time = self.last_time = time.time()
-        self.first_step, self.tokens = step, 0
+        self.first_step, self.tokens, self.flops = step, 0, 0.0
 
     def start(self, step: int) -> None:
         """Training (re)starts at ``step``: the clocks start here, and metrics.jsonl records
@@ -224,9 +232,11 @@ class Progress:
         """Seconds since training (re)started: ``elapsed_s``, and what the time budget counts."""
         return time.time() - self.start_time
 
-    def count(self, tokens: int) -> None:
-        """An applied update of ``tokens`` source + target tokens."""
+    def count(self, tokens: int, flops: float = 0.0) -> None:
+        """An applied update of ``tokens`` source + target tokens and ``flops`` model FLOPs
+        (planner.training_flops: the whole model's, over all data-parallel replicas)."""
         self.tokens += tokens
+        self.flops += flops
 
     def due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.max_steps
@@ -253,6 +263,7 @@ class Progress:
             alpha=u.alpha,
             loss_scale=u.loss_scale,
             tokens_per_sec=self.tokens / max(now - self.last_time, 1e-9),
+            tflops_per_gpu=self.flops / max(now - self.last_time, 1e-9) / self.gpus / 1e12,
             samples=u.samples,
             ids_hash=u.ids_hash,
             skipped_steps=u.skipped_steps,
@@ -264,8 +275,9 @@ class Progress:
         self.metrics.log(
             f"step {row.step} | loss {row.loss:.4f} | nll {row.nll_loss:.4f} | lr {row.lr:.3g} | "
             f"gnorm {row.grad_norm or 0:.3f} | alpha {row.alpha:.4f} | "
-            f"tok/s {row.tokens_per_sec:.0f} | mem {row.memory_mb:.0f}MB | "
+            f"tok/s {row.tokens_per_sec:.0f} | TFLOP/s/GPU {row.tflops_per_gpu:.3g} | "
+            f"mem {row.memory_mb:.0f}MB | "
             f"eta {format_eta(row.eta_s)}"
         )
-        self.last_time, self.tokens = now, 0
+        self.last_time, self.tokens, self.flops = now, 0, 0.0
         return row

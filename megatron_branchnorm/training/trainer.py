@@ -41,7 +41,11 @@ from megatron_branchnorm.parallel.pipeline import (
     fixed_shapes,
     install_engine_fixes,
 )
-from megatron_branchnorm.parallel.planner import auto_checkpoint_interval, graph_allowance
+from megatron_branchnorm.parallel.planner import (
+    auto_checkpoint_interval,
+    graph_allowance,
+    training_flops,
+)
 from megatron_branchnorm.training import collectives, cuda_graphs, stop_signals
 from megatron_branchnorm.training import ds_config as dsc
 from megatron_branchnorm.training import environment as env
@@ -234,7 +238,9 @@ class Trainer:
         self.validator = Validator(
             cfg, self.engine, self.loss_fn, self.world, self.dp, dp_id, self.metrics
         )
-        self.progress = Progress(self.metrics, t.log_interval, t.max_steps, t.max_time_minutes)
+        self.progress = Progress(
+            self.metrics, t.log_interval, t.max_steps, t.max_time_minutes, gpus=self.world
+        )
         self.stopper = Stopper(
             self.world, t.max_time_minutes, lambda: self.metrics.error, self.progress.elapsed
         )
@@ -366,7 +372,9 @@ class Trainer:
         applied = bool(self.engine.was_step_applied())
         if applied:
             self.state.step += 1
-            self.progress.count(update.all_tokens)
+            src = update.all_tokens - update.target_tokens
+            flops = training_flops(self.cfg.model, src, update.target_tokens, update.samples)
+            self.progress.count(update.all_tokens, flops)
             self.skips.applied()
         return UpdateResult(applied, alpha, lr, loss_sums, update.ids_hash, update.all_tokens)
 
