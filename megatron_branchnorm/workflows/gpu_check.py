@@ -319,7 +319,8 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
         # the steady state, as make gpu-bench takes it: past warm-up, lazy state and compiling
         tps = steady_state([r["tokens_per_sec"] for r in updates])
         mem = max(r["memory_mb"] for r in updates) / 1024
-        achieved = plan.flops_per_update * tps / (2 * plan.tokens_per_update)  # FLOP/s
+        # model FLOPs of the real tokens (planner.training_flops), as the rows log them
+        achieved = steady_state([r["tflops_per_gpu"] for r in updates]) * 1e12  # FLOP/s
         first = len(updates) // 2 + 1
         rows += [
             Row(f"train.py {what}, bf16, {name}: tokens/s (median of updates {first}-{len(updates)})",
