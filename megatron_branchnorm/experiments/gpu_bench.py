@@ -121,6 +121,7 @@ class Result:
     flops_per_s: float | None = None
     busy: float | None = None
     peak_memory: float | None = None  # bytes
+    peak_reserved: float | None = None  # bytes the caching allocator held (CUDA only)
     planned_memory: float | None = None  # bytes, train.py only
     data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
     note: str = ""
@@ -211,6 +212,14 @@ def _model_flops(shape: Shape, batch: int, src: int, tgt: int) -> float:
     from megatron_branchnorm.experiments.bench_models import model_flops
 
     return float(model_flops(shape.layers, shape.dim, shape.ffn, shape.vocab, batch, src, tgt))
+
+
+def _peak_reserved(device: str) -> float | None:
+    """The caching allocator's peak of reserved bytes since :func:`_reset_memory` (allocated
+    plus the blocks it keeps around them: what the planner's margin is for); None on the CPU."""
+    import torch
+
+    return float(torch.cuda.max_memory_reserved()) if device == "cuda" else None
 
 
 def _reset_memory(device: str) -> None:
@@ -354,7 +363,7 @@ def run_train_py(
             prof["ctx"].__exit__(None, None, None)
         if code != 0 or len(tokens_done) < updates + PROFILED_UPDATES:
             raise RuntimeError(f"train.py's Trainer exited {code} after {len(tokens_done)} updates")
-        peak = _peak_memory(device)
+        peak, reserved = _peak_memory(device), _peak_reserved(device)
         del trainer
     dts = clock.intervals()
     return Result(
@@ -365,6 +374,7 @@ def run_train_py(
         flops_per_s=steady_state([f / dt for f, dt in zip(shapes, dts, strict=False)]),
         busy=prof["out"]["busy"],
         peak_memory=peak,
+        peak_reserved=reserved,
         planned_memory=planned,
         data_ms=steady_state(data_s[:updates]) * 1e3,
     )
@@ -584,6 +594,8 @@ def format_table(bench: Bench, device: str) -> str:
             lines.append(f"| {label} | {r.tokens:,} | {r.note} | | | | |")
             continue
         memory = _gib(r.peak_memory)
+        if r.peak_reserved is not None:
+            memory += f", {_gib(r.peak_reserved)} reserved"
         if r.planned_memory is not None:
             memory += f" (planner: {_gib(r.planned_memory)})"
         lines.append(

@@ -13,11 +13,15 @@ same call the trainer makes), it estimates in bytes:
   over the data-parallel replicas of the stage;
 * **activations** -- per in-flight micro-batch, with and without activation checkpointing.
   DeepSpeed's 1F1B schedule keeps ``min(stages - s, micro_batches)`` micro-batches in flight on
-  stage ``s``. Without checkpointing a layer keeps ~34 (encoder) or ~47 (decoder: + cross-
-  attention) x tokens x d bytes at 16-bit (Korthikanti et al. 2022, with SDPA keeping no
-  T x T attention matrix when attention dropout is 0); with checkpointing every k layers only
-  each chunk's input is kept, plus one chunk's full activations while it is recomputed;
-* **loss workspace** on the last stage -- logits and their fp32 log-softmax and gradient;
+  stage ``s``. Without checkpointing a layer keeps what its forward saves for the backward,
+  measured on the model's own layers (:data:`ENC_ACT_BYTES`, :data:`DEC_ACT_BYTES`: per token
+  about 8 d + ffn (encoder) or 14 d + ffn (decoder) values of the activation dtype, a one-byte
+  dropout mask of width d per dropout, SDPA's fp32 log-sum-exp per head and attention; no
+  T x T attention matrix: attention dropout is 0); with checkpointing every k layers only
+  each chunk's input is kept, plus one chunk's full activations while it is recomputed; both
+  with :data:`ALLOCATOR_MARGIN`;
+* **loss workspace** on the last stage -- the logits and their gradient in the activation
+  dtype, and one fp32 chunk of logits (model/loss.py works in row chunks);
 * a fixed **overhead** (CUDA context, NCCL buffers, allocator fragmentation);
 * **CUDA graphs' static buffers** (``model.cuda_graphs``; training/cuda_graphs.py,
   docs/design.md §19) -- not part of the peak: what one *graph set* (a graph of every layer
@@ -70,9 +74,22 @@ four times) and holds a one-stage run's 48 shapes x 2 layer ranges."""
 GRAPHED_KINDS = ("enc", "enc_final", "dec", "dec_final")
 """Entries a graphed layer range may hold (training/cuda_graphs.layer_runs)."""
 
-# Activation bytes per token per unit of width, at 16-bit, without checkpointing.
-ENC_ACT_PER_TOKEN_D = 34.0
-DEC_ACT_PER_TOKEN_D = 47.0
+# What one layer's forward saves for its backward, per token, without checkpointing, measured
+# on the model's own layers (tests/slurm/test_planner.py measures it again): (values of the
+# activation dtype x d, the same x ffn, one-byte dropout masks x d, fp32 log-sum-exps x heads).
+# Before, the planner took Korthikanti et al. 2022's 34 d and 47 d bytes at 16-bit and an
+# fp32 log-softmax and gradient for the loss: it planned the H100 run of issue 41 at 17.2 GiB,
+# whose allocator peaked at 9.85 GiB (docs/performance.md, "The planner against the H100").
+ENC_ACT_BYTES = (8.125, 1.0, 2.0, 1.0)
+DEC_ACT_BYTES = (14.125, 1.0, 3.0, 2.0)
+ALLOCATOR_MARGIN = 1.10
+"""The activations and the loss workspace are planned 10% above what the tensors hold: the
+caching allocator keeps them in blocks cut from larger segments, and micro-batches of up to 48
+bucket shapes come and go. A margin, not a measurement: the H100 run measured the allocated
+peak only (9.85 GiB, planned now at 10.9 GiB without the fixed overhead); gpu-bench prints the
+reserved peak beside it, which is what a next GPU run should set this by."""
+LOSS_CHUNK_ELEMENTS = 1 << 24
+"""model/loss.py's ``CHUNK_ELEMENTS``: the logits it upcasts to fp32 at a time."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,15 +461,25 @@ def _check_count(value: int | None, flag: str) -> None:
         raise PlanError(f"{flag} must be an integer in [1, {MAX_INT}], got {value!r}")
 
 
+def layer_activation_bytes(
+    m: ModelConfig, per_token: tuple[float, float, float, float], act_bytes: float
+) -> float:
+    """Bytes one layer keeps for its backward per token (:data:`ENC_ACT_BYTES` or
+    :data:`DEC_ACT_BYTES`) with activations of ``act_bytes`` bytes."""
+    values_d, values_ffn, masks_d, lse_heads = per_token
+    d = m.hidden_size
+    values = (values_d * d + values_ffn * m.ffn_hidden_size) * act_bytes
+    return values + masks_d * d + 4 * lse_heads * m.num_attention_heads
+
+
 def _activation_bytes(
     m: ModelConfig, enc: int, dec: int, tokens: int, act_bytes: float, interval: int
 ) -> tuple[float, float]:
     """(without, with checkpointing) activation bytes of one micro-batch on one stage."""
     d = m.hidden_size
-    scale = act_bytes / 2.0  # the per-layer constants are for 16-bit activations
-    enc_full = ENC_ACT_PER_TOKEN_D * tokens * d * scale
-    dec_full = DEC_ACT_PER_TOKEN_D * tokens * d * scale
-    without = enc * enc_full + dec * dec_full
+    enc_full = tokens * layer_activation_bytes(m, ENC_ACT_BYTES, act_bytes)
+    dec_full = tokens * layer_activation_bytes(m, DEC_ACT_BYTES, act_bytes)
+    without = (enc * enc_full + dec * dec_full) * ALLOCATOR_MARGIN
     if interval <= 0:
         return without, without
     layers = enc + dec
@@ -460,7 +487,7 @@ def _activation_bytes(
     kept = chunks * tokens * d * act_bytes  # each chunk's input; memory is one shared tensor
     kept += (tokens * d * act_bytes) if dec else 0  # the encoder output travelling along
     one_chunk = min(interval, layers) * max(enc_full if enc else 0.0, dec_full if dec else 0.0)
-    return without, kept + one_chunk
+    return without, (kept + one_chunk) * ALLOCATOR_MARGIN
 
 
 def _graph_set(
@@ -547,8 +574,11 @@ def plan_run(
             m, kinds, [params[i] for i in chunk], tokens, prec
         )
         loss = 0.0
-        if "output" in kinds:  # logits (act dtype) + fp32 log-softmax + its gradient
-            loss = tokens * vocab * (prec.activation + 8)
+        if "output" in kinds:  # logits and their gradient (act dtype), one fp32 chunk
+            loss = (
+                tokens * vocab * 2 * prec.activation + min(tokens * vocab, LOSS_CHUNK_ELEMENTS) * 4
+            )
+            loss *= ALLOCATOR_MARGIN
         plans.append(
             StagePlan(
                 stage=s,
