@@ -6,7 +6,8 @@
 --config takes a YAML path or the name of a config shipped in megatron_branchnorm/configs/;
 ``section.key=value`` arguments override it. Exit codes (training/exit_codes.py): 0 done,
 2 bad input, 3 non-finite updates, 4 another rank lost (or the rendezvous not complete within
-train.collective_timeout_s), 75 stopped by SIGUSR1/SIGTERM after a checkpoint, or by SIGTERM
+train.collective_timeout_s), 5 the GPU out of memory, 75 stopped by SIGUSR1/SIGTERM after a
+checkpoint, or by SIGTERM
 while starting (requeue), 130 Ctrl-C. While the rank starts, SIGTERM, SIGINT and the death of
 DeepSpeed's launcher end it at once (stop_signals).
 """

@@ -44,6 +44,7 @@ from megatron_branchnorm.parallel.pipeline import (
 from megatron_branchnorm.parallel.planner import (
     auto_checkpoint_interval,
     graph_allowance,
+    stage_plan,
     training_flops,
 )
 from megatron_branchnorm.training import collectives, cuda_graphs, stop_signals
@@ -60,6 +61,7 @@ from megatron_branchnorm.training.data import (
 from megatron_branchnorm.training.exit_codes import (
     DONE,
     NONFINITE_EXIT_CODE,
+    OUT_OF_MEMORY_EXIT_CODE,
     PEER_LOST_EXIT_CODE,
     REQUEUE_EXIT_CODE,
 )
@@ -283,6 +285,17 @@ class Trainer:
             **settings,
         )
 
+    def describe_memory(self) -> str:
+        """What the planner gave this rank's stage (for the out-of-memory line): its planned
+        peak against the device, and whether it recomputes."""
+        plan = stage_plan(self.cfg, self.world, self.device_memory)
+        peak = plan.stage_plans[self.stage_id].total(bool(self.ckpt_interval), plan.overhead)
+        how = "recomputing every layer" if self.ckpt_interval else "without recompute"
+        return (
+            f"stage {self.stage_id} was planned at {peak / 2**30:.1f} GiB of "
+            f"{self.device_memory / 2**30:.1f} GiB, {how}"
+        )
+
     def describe_recompute(self) -> str:
         """The start-up line of activation_checkpoint_interval=auto: what this stage chose."""
         what = "recomputes every layer" if self.ckpt_interval else "does not recompute"
@@ -451,8 +464,22 @@ def run(cfg: ExperimentConfig) -> int:
     exception" (SIGABRT: exit 0 or 75 became -6; seen in the demo test, pytorch#190489).
     After an error of one rank alone the others may still be in a collective, so it is left.
     """
+    trainer = None
     try:
-        code = Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        code = trainer.train()
+    except torch.OutOfMemoryError as exc:  # before RuntimeError, of which it is one
+        rank = os.environ.get("RANK", "0")
+        plan = trainer.describe_memory() if trainer is not None else "while building the stage"
+        print(
+            f"error: rank {rank}: the device ran out of memory ({one_line(str(exc))[:160]}); "
+            f"{plan}; nothing was saved since the last checkpoint. Lower the memory: "
+            "pipeline.activation_checkpoint_interval=1 (recompute every layer), a smaller "
+            "data.max_tokens or more pipeline stages (python tools/plan_memory.py shows the plan)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return OUT_OF_MEMORY_EXIT_CODE
     except TrainError:
         env.destroy_process_group()
         raise

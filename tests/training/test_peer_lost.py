@@ -44,3 +44,41 @@ def test_a_peer_gone_is_recognised(exc):
 )
 def test_other_errors_are_not_taken_for_a_lost_peer(exc):
     assert not peer_lost(exc)
+
+
+def test_out_of_memory_is_one_line_with_the_stage_plan_and_exit_5(tmp_path, monkeypatch, capsys):
+    """The device running out of memory in an update (as torch raises it on CUDA, here raised
+    in the second update of a real trainer): one line naming the rank, what the planner gave
+    the stage, and the levers; exit 5, not requeued; the save_dir's lock released."""
+    import torch
+
+    from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.training import trainer
+    from megatron_branchnorm.training.exit_codes import OUT_OF_MEMORY_EXIT_CODE
+    from megatron_branchnorm.training.run_lock import LOCK_NAME
+    from tests.core.helpers import one_rank_process_group
+
+    cfg = load_config("tiny_cpu", [f"train.save_dir={tmp_path}", "train.max_steps=4",
+                                   "train.eval_interval=0", "train.save_interval=0"])  # fmt: skip
+    update = trainer.Trainer._update
+
+    def update_then_oom(self, t: int):
+        if t == 2:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                "79.19 GiB of which 1.05 GiB is free.\nOf the allocated memory 75.1 GiB is "
+                "allocated by PyTorch"
+            )
+        return update(self, t)
+
+    monkeypatch.setattr(trainer.Trainer, "_update", update_then_oom)
+    with one_rank_process_group():
+        code = trainer.run(cfg)
+    assert code == OUT_OF_MEMORY_EXIT_CODE == 5
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1
+    line = err[0]
+    assert line.startswith("error: rank 0: the device ran out of memory (CUDA out of memory.")
+    assert "stage 0 was planned at " in line and "without recompute" in line
+    assert "pipeline.activation_checkpoint_interval=1" in line and "tools/plan_memory.py" in line
+    assert not (tmp_path / LOCK_NAME).exists() and not (tmp_path / "latest").exists()
