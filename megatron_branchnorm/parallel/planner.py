@@ -16,7 +16,8 @@ same call the trainer makes), it estimates in bytes:
   stage ``s``. Without checkpointing a layer keeps what its forward saves for the backward,
   measured on the model's own layers (:data:`ENC_ACT_BYTES`, :data:`DEC_ACT_BYTES`: per token
   about 8 d + ffn (encoder) or 14 d + ffn (decoder) values of the activation dtype, a one-byte
-  dropout mask of width d per dropout, SDPA's fp32 log-sum-exp per head and attention; no
+  dropout mask of width d per dropout (and the FFN's own with ``activation_dropout``), SDPA's
+  fp32 log-sum-exp per head and attention; no
   T x T attention matrix: attention dropout is 0); with checkpointing every k layers only
   each chunk's input is kept, plus one chunk's full activations while it is recomputed; both
   with :data:`ALLOCATOR_MARGIN`;
@@ -465,11 +466,16 @@ def layer_activation_bytes(
     m: ModelConfig, per_token: tuple[float, float, float, float], act_bytes: float
 ) -> float:
     """Bytes one layer keeps for its backward per token (:data:`ENC_ACT_BYTES` or
-    :data:`DEC_ACT_BYTES`) with activations of ``act_bytes`` bytes."""
+    :data:`DEC_ACT_BYTES`) with activations of ``act_bytes`` bytes: the dropout masks only
+    with ``model.dropout`` > 0; ``model.activation_dropout`` > 0 adds the FFN's own mask and
+    its dropped output (measured the same way)."""
     values_d, values_ffn, masks_d, lse_heads = per_token
-    d = m.hidden_size
-    values = (values_d * d + values_ffn * m.ffn_hidden_size) * act_bytes
-    return values + masks_d * d + 4 * lse_heads * m.num_attention_heads
+    d, ffn = m.hidden_size, m.ffn_hidden_size
+    values = (values_d * d + values_ffn * ffn) * act_bytes
+    masks = masks_d * d if m.dropout > 0 else 0.0
+    if m.activation_dropout > 0:
+        masks += (act_bytes + 1) * ffn
+    return values + masks + 4 * lse_heads * m.num_attention_heads
 
 
 def _activation_bytes(
