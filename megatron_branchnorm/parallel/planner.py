@@ -17,10 +17,9 @@ same call the trainer makes), it estimates in bytes:
   measured on the model's own layers (:data:`ENC_ACT_BYTES`, :data:`DEC_ACT_BYTES`: per token
   about 8 d + ffn (encoder) or 14 d + ffn (decoder) values of the activation dtype, a one-byte
   dropout mask of width d per dropout (and the FFN's own with ``activation_dropout``), SDPA's
-  fp32 log-sum-exp per head and attention; no
-  T x T attention matrix: attention dropout is 0); with checkpointing every k layers only
-  each chunk's input is kept, plus one chunk's full activations while it is recomputed; both
-  with :data:`ALLOCATOR_MARGIN`;
+  fp32 log-sum-exp per head and attention; no T x T attention matrix: attention dropout is 0);
+  with checkpointing every k layers only each chunk's input is kept, plus one chunk's full
+  activations while it is recomputed; both with :data:`ALLOCATOR_MARGIN`;
 * **loss workspace** on the last stage -- the logits and their gradient in the activation
   dtype, and one fp32 chunk of logits (model/loss.py works in row chunks);
 * a fixed **overhead** (CUDA context, NCCL buffers, allocator fragmentation);
