@@ -191,6 +191,13 @@ class Buckets:
         t = np.minimum(np.asarray(tgt_len), self._lut.shape[1] - 1)
         return self._lut[s, t]
 
+    def full_and_rest(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``counts`` (sentences per bucket of one direction) split into those that fill whole
+        micro-batches of each bucket's rows and those left over, which the sampler pools with
+        the other directions' (module docstring)."""
+        rest = counts % self.rows
+        return counts - rest, rest
+
     def arrange(self, counts: np.ndarray) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
         """Where each bucket's micro-batches take their sentences from, for sentences sorted by
         bucket with ``counts[b]`` in bucket b: per bucket, ranges of that sorted order, and
@@ -262,9 +269,9 @@ class Buckets:
         tail = np.zeros(len(self), dtype=np.int64)
         for s, t, w in hist.directions:
             counts = np.bincount(self.bucket_of(s, t), weights=w, minlength=len(self))
-            counts = counts.astype(np.int64)
-            slots += int((counts // self.rows * self.rows * cost).sum())
-            tail += counts % self.rows
+            full, rest = self.full_and_rest(counts.astype(np.int64))
+            slots += int((full * cost).sum())
+            tail += rest
             real += int((w * (s + t)).sum())
         final = self.arrange(tail)[1]
         slots += int((-(-final // self.rows) * self.rows * cost).sum())

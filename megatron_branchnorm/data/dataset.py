@@ -586,7 +586,7 @@ class BatchSampler:
         if self.buckets is None:
             return idx, _batch_ends(keys, self.max_tokens), idx[:0], keys[:0]
         counts = np.bincount(keys, minlength=len(self.buckets))
-        full = counts - counts % self.buckets.rows
+        full = self.buckets.full_and_rest(counts)[0]
         starts = np.cumsum(counts) - counts
         in_full = np.arange(idx.size) - starts[keys] < full[keys]  # place in its bucket's run
         return idx[in_full], self.buckets.batch_ends(full)[0], idx[~in_full], keys[~in_full]
@@ -627,8 +627,8 @@ class BatchSampler:
                 counts[g] = _batch_ends(keys, self.max_tokens).size
                 continue
             hist = np.pad(hist, (0, len(self.buckets) - hist.size))
-            rest = hist % self.buckets.rows
-            ends, of_batch = self.buckets.batch_ends(hist - rest)
+            full, rest = self.buckets.full_and_rest(hist)
+            ends, of_batch = self.buckets.batch_ends(full)
             counts[g] = ends.size
             buckets.append(of_batch)
             tail = tail + rest

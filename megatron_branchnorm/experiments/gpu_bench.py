@@ -326,19 +326,19 @@ def run_train_py(
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
     planned = plan_run(cfg, 1, float(memory), stages=1).peak()
     _reset_memory(device)
-    clock, shapes, tokens_done, prof, data_s = Clock(device), [], [], {}, []
+    clock, flops, tokens_done, prof, data_s = Clock(device), [], [], {}, []
     with _one_rank():
         from megatron_branchnorm.training.trainer import Trainer
 
         trainer = Trainer(cfg)
         next_update, update = trainer.stream.next_update, trainer._update
 
-        def record_shapes():
+        def record_flops():
             started = time.perf_counter()
             u = next_update()
             data_s.append(time.perf_counter() - started)
             src = u.all_tokens - u.target_tokens  # what the trainer counts (metrics.Progress)
-            shapes.append(training_flops(cfg.model, src, u.target_tokens, u.samples))
+            flops.append(training_flops(cfg.model, src, u.target_tokens, u.samples))
             return u
 
         def timed(t: int):
@@ -355,7 +355,7 @@ def run_train_py(
                 prof["ctx"].__exit__(None, None, None)
             return result
 
-        trainer.stream.next_update = record_shapes
+        trainer.stream.next_update = record_flops
         trainer._update = timed
         trainer.checkpointer.save_if_missing = lambda *_a, **_k: None  # nothing to keep
         code = trainer.train()
@@ -371,7 +371,7 @@ def run_train_py(
         tokens,
         ms_per_update=steady_state(dts) * 1e3,
         tokens_per_s=steady_state([n / dt for n, dt in zip(tokens_done, dts, strict=False)]),
-        flops_per_s=steady_state([f / dt for f, dt in zip(shapes, dts, strict=False)]),
+        flops_per_s=steady_state([f / dt for f, dt in zip(flops, dts, strict=False)]),
         busy=prof["out"]["busy"],
         peak_memory=peak,
         peak_reserved=reserved,

@@ -322,14 +322,18 @@ class RunPlan:
         not fit one GPU without, or when its CUDA graphs (``graph_shapes`` > 0) would replay a
         larger share of its micro-batches with recompute than without (:meth:`graphs_pay`)."""
         if self.checkpoint_interval == "auto":
-            return stage.total(False, self.overhead) > self.gpu_memory or self.graphs_pay(stage)
+            return self._must_recompute(stage) or self.graphs_pay(stage)
         return self.checkpoint_interval > 0
+
+    def _must_recompute(self, stage: StagePlan) -> bool:
+        """Whether ``stage`` does not fit one GPU without recompute."""
+        return stage.total(False, self.overhead) > self.gpu_memory
 
     def recomputes_for_graphs(self, stage: StagePlan) -> bool:
         """Whether ``stage`` recomputes under "auto" for its graphs alone (it fits without)."""
         return (
             self.checkpoint_interval == "auto"
-            and stage.total(False, self.overhead) <= self.gpu_memory
+            and not self._must_recompute(stage)
             and self.graphs_pay(stage)
         )
 
@@ -707,9 +711,8 @@ def _gb(x: float) -> str:
 
 def _describe_checkpointing(plan: RunPlan) -> str:
     if plan.checkpoint_interval == "auto":
-        on = [s.stage for s in plan.stage_plans if plan.stage_checkpoints(s)]
+        memory = [s.stage for s in plan.stage_plans if plan._must_recompute(s)]
         for_graphs = [s.stage for s in plan.stage_plans if plan.recomputes_for_graphs(s)]
-        memory = [s for s in on if s not in for_graphs]
         which = "none" if not memory else f"stage(s) {', '.join(map(str, memory))}"
         text = f"auto (recompute where a stage does not fit without: {which}"
         if for_graphs:
