@@ -17,7 +17,9 @@ micro-batches per replica instead.
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
 ``total parameters: X.XXB``; with ``model.cuda_graphs=on`` (or auto) also each stage's
-CUDA-graph static memory and how many graph sets fit beside the run (training/cuda_graphs.py).
+CUDA-graph static memory and how many graph sets fit beside the run (training/cuda_graphs.py);
+then each stage's time per micro-batch (GPU and host, eagerly and with CUDA graphs), the time
+per update of each and the days ``train.max_steps`` updates take.
 ``section.key=value`` overrides apply as in train.py. Exit codes: 0 fits, 1 does not fit, 2 bad
 input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in
 megatron_branchnorm/parallel/planner.py.
@@ -109,7 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tflops",
         type=float_flag(1e-9),
         default=100.0,
-        help="sustained TFLOP/s per GPU for the time estimate",
+        help="sustained TFLOP/s of a GPU's matmuls for the time estimate (the host's pace "
+        "is the planner's, measured on an H100)",
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     return parser.parse_args(argv)
@@ -146,8 +149,10 @@ def _plan(argv: list[str] | None) -> int:
         plan = auto_stages(cfg, args.gpus, args.gpu_memory, per_update, **kwargs)
     else:
         plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
+    shapes = max_shapes_of(cfg.data.bucket_shapes)  # what graphs would capture: their time
+    plan = dataclasses.replace(plan, bucket_shapes=shapes)
     if cfg.model.cuda_graphs != "off":  # the graphs' static buffers, per stage
-        plan = dataclasses.replace(plan, graph_shapes=max_shapes_of(cfg.data.bucket_shapes))
+        plan = dataclasses.replace(plan, graph_shapes=shapes)
     write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n")
     return 0 if plan.fits() else 1
 

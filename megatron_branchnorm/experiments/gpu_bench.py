@@ -16,7 +16,9 @@ One table, one row per system and batch size (tokens per side per update):
   padding, as train.py's metrics do; the FLOPs are the model FLOPs of those tokens
   (``planner.training_flops`` of each update's sentences, what train.py logs as
   ``tflops_per_gpu``), divided by the bf16 matmul peak measured at the start of the same run.
-  Peak memory is beside the planner's prediction (``planner.plan_run``) for the same run. Below the
+  Peak memory and the time per update are beside the planner's predictions for the same run
+  (``planner.plan_run``: ``peak()``, ``seconds_per_update``, with the graphs of every bucket
+  shape for train.py+graphs: what a GPU run calibrates its host and GPU rates by). Below the
   table: the host's time per update in the data stream (reading, collating and padding the
   update's batches: the GPU idles through it after each update's host sync).
 - **train.py+graphs**: the same with ``model.cuda_graphs=on`` (training/cuda_graphs.py: the
@@ -123,6 +125,7 @@ class Result:
     peak_memory: float | None = None  # bytes
     peak_reserved: float | None = None  # bytes the caching allocator held (CUDA only)
     planned_memory: float | None = None  # bytes, train.py only
+    planned_ms: float | None = None  # train.py only: the planner's time per update
     data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
     note: str = ""
 
@@ -317,6 +320,7 @@ def run_train_py(
     import torch
 
     from megatron_branchnorm.config import load_config
+    from megatron_branchnorm.data.buckets import max_shapes_of
     from megatron_branchnorm.parallel.planner import plan_run, training_flops
 
     if system == "train.py+graphs":
@@ -324,7 +328,10 @@ def run_train_py(
     save_dir = work / f"{system.replace('.', '_').replace('+', '_')}_{tokens}"
     cfg = load_config("tiny_cpu", train_overrides(shape, tokens, updates, save_dir, extra))
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
-    planned = plan_run(cfg, 1, float(memory), stages=1).peak()
+    plan = plan_run(cfg, 1, float(memory), stages=1)
+    planned = plan.peak()
+    if cfg.model.cuda_graphs != "off":  # the planner's time with the graphs of every shape
+        plan = dataclasses.replace(plan, graph_shapes=max_shapes_of(cfg.data.bucket_shapes))
     _reset_memory(device)
     clock, flops, tokens_done, prof, data_s = Clock(device), [], [], {}, []
     with _one_rank():
@@ -376,6 +383,7 @@ def run_train_py(
         peak_memory=peak,
         peak_reserved=reserved,
         planned_memory=planned,
+        planned_ms=plan.seconds_per_update * 1e3,
         data_ms=steady_state(data_s[:updates]) * 1e3,
     )
 
@@ -598,8 +606,11 @@ def format_table(bench: Bench, device: str) -> str:
             memory += f", {_gib(r.peak_reserved)} reserved"
         if r.planned_memory is not None:
             memory += f" (planner: {_gib(r.planned_memory)})"
+        ms = f"{r.ms_per_update:.1f}"
+        if r.planned_ms is not None:
+            ms += f" (planner: {r.planned_ms:.1f})"
         lines.append(
-            f"| {label} | {r.tokens:,} | {r.ms_per_update:.1f} | {r.tokens_per_s:,.0f} | "
+            f"| {label} | {r.tokens:,} | {ms} | {r.tokens_per_s:,.0f} | "
             f"{r.flops_per_s / bench.peak_flops:.1%} | {r.busy:.0%} | {memory} |"
         )
     ours = {r.tokens: r for r in bench.rows if r.system == "train.py" and r.tokens_per_s}

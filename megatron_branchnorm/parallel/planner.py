@@ -32,6 +32,13 @@ same call the trainer makes), it estimates in bytes:
 
 Precision follows the DeepSpeed JSON the config names (bf16, fp16 or fp32). The pipeline
 bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.
+
+And in seconds (:meth:`RunPlan.stage_time`, :attr:`RunPlan.seconds_per_update`): a stage's
+micro-batch takes the slower of its GPU's matmuls at ``--tflops`` and its host's launches, per
+eager layer as the H100 of issue 41 ran them (:data:`EAGER_HOST_S`) or, for a layer replayed
+from a CUDA graph, its gradients' hand-over; an update of the 1F1B pipeline is each stage's
+micro-batch once plus m - 1 more of the slowest stage's. ``tools/plan_memory.py`` prints it
+eagerly and with graphs, and what ``train.max_steps`` updates take.
 """
 
 from __future__ import annotations
@@ -90,6 +97,41 @@ peak only (9.85 GiB, planned now at 10.9 GiB without the fixed overhead); gpu-be
 reserved peak beside it, which is what a next GPU run should set this by."""
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """model/loss.py's ``CHUNK_ELEMENTS``: the logits it upcasts to fp32 at a time."""
+
+# What a micro-batch costs in time (:meth:`RunPlan.stage_time`): the GPU's matmuls at the
+# sustained rate ``--tflops``, and the host's work, which paces a layer run eagerly at d=512.
+H100_EAGER_UPDATE_S = 108.4e-3
+"""One eager update of 12L-12L (d=512, 4,096 tokens per side, one micro-batch, the 1-stage
+DeepSpeed engine, bf16 + ZeRO-1) on the H100 of issue 41 (../shared/DESIGN.md §12): its
+2.6 TFLOP of matmuls take 3.4 ms at the measured peak and 16,384 tokens took 125.9 ms, so the
+host set this pace. The planner charges all of it to the 24 layers: the update's other host
+work (data, embedding, loss, DeepSpeed's schedule, the step; about 2 of 32.5 ms on the
+development CPU, docs/performance.md) is counted into them, an upper bound."""
+LAYER_LAUNCHES = {"enc": 61, "dec": 101}
+"""Kernel-launching ops per layer per micro-batch of opus100_12L with the GPU's dropout
+(docs/performance.md, "Kernel launches per layer", issue 28): how the host time of a layer
+pair splits between its encoder and its decoder layer."""
+EAGER_HOST_S = {
+    kind: H100_EAGER_UPDATE_S / 12 * n / sum(LAYER_LAUNCHES.values())
+    for kind, n in LAYER_LAUNCHES.items()
+}
+"""Host seconds of one eager layer's forward and backward per micro-batch (3.40 ms encoder,
+5.63 ms decoder): :data:`H100_EAGER_UPDATE_S` over 12 layer pairs, split by launches."""
+RECOMPUTE_HOST_FACTOR = 2.0
+"""Eager recompute (DeepSpeed's checkpoint of every layer) doubles a layer's host time: 2.55
+-> 5.08 ms per layer pair on the development CPU (``gpu_bench.py --device cpu --systems
+train.py --tokens 64 --layers 1|12`` at interval 0 and 1, where the kernels cost nothing)."""
+PARAM_TENSORS = {"enc": 12, "dec": 20}
+"""Parameter tensors of an encoder and a decoder layer (tests/slurm/test_planner.py counts the
+real layers')."""
+GRAPHED_HOST_S_PER_TENSOR = 3.6e-6
+"""Host seconds per parameter tensor per micro-batch of a layer replayed from a CUDA graph: the
+gradient's hand-over, which stays eager (DeepSpeed's hook and the multi-tensor fp32 add: 0.5 +
+0.87 ms for 12L-12L's 385 tensors on the development CPU, docs/performance.md). A replay's own
+launches (a few per layer range) are left out."""
+MEAN_SENTENCE_TOKENS = 20
+"""Tokens per sentence for the attention's FLOPs (the OPUS-shaped and demo corpora average
+15-20, docs/performance.md): at d=512 the attention's share of a layer's FLOPs is ~1%."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +320,9 @@ class StagePlan:
     """The shared parameter-gradient buffers of the stage's graphs (its graphed weights)."""
     layer_ranges: int = 0
     """Runs of encoder/decoder layers (with their final norms) a graph set captures."""
+    flops: float = 0.0
+    """Matmul FLOPs of one micro-batch's forward and backward on the stage, recompute left out
+    (:func:`matmul_flops` of its layers, and the output projection on the last stage)."""
 
     def total(self, checkpointing: bool, overhead: float) -> float:
         """Peak estimate with or without activation checkpointing."""
@@ -305,6 +350,11 @@ class RunPlan:
     graph_shapes: int = 0
     """Bucket shapes a stage graphs (the most ``data.bucket_shapes`` allows) when the config
     turns ``model.cuda_graphs`` on or auto; 0 leaves graphs out of :func:`format_plan`."""
+    max_steps: int = 0
+    """``train.max_steps``: the updates the run's time is given for."""
+    bucket_shapes: int = 0
+    """The most bucket shapes ``data.bucket_shapes`` allows, graphs or not: what graphs would
+    capture, for the time with CUDA graphs (:meth:`graphed`); 0 leaves that time out."""
 
     @property
     def total_params(self) -> int:
@@ -405,14 +455,9 @@ class RunPlan:
 
     @property
     def flops_per_update(self) -> float:
-        """Training FLOPs per update: 6 x matmul params x tokens (+ recompute with
-        checkpointing: 8x), embedding lookup excluded, output projection included."""
-        m = self.model
-        body = m.encoder_layers * encoder_layer_params(m) + m.decoder_layers * decoder_layer_params(
-            m
-        )
-        factor = 8.0 if self.checkpointing else 6.0
-        return (factor * body + 6.0 * embedding_params(m)) * self.tokens_per_update
+        """Model FLOPs of an update's forward and backward over all replicas (every stage's
+        :attr:`StagePlan.flops` per micro-batch; padding counted, recompute not)."""
+        return sum(s.flops for s in self.stage_plans) * self.micro_batches * self.dp
 
     def checkpoint_bytes(self) -> tuple[float, float]:
         """(whole checkpoint, largest rank's share): weights in the training dtype from one
@@ -426,10 +471,53 @@ class RunPlan:
         )
         return total, per_rank
 
+    def stage_time(self, stage: StagePlan) -> StageTime:
+        """One micro-batch's forward and backward on ``stage`` as this plan runs it: the
+        matmuls at :attr:`tflops` (a third more where the stage recomputes) and the host's
+        launches, :data:`EAGER_HOST_S` per eager layer (x :data:`RECOMPUTE_HOST_FACTOR`
+        recomputing) or :data:`GRAPHED_HOST_S_PER_TENSOR` per parameter tensor of a layer a
+        graph replays. With graphs (``graph_shapes`` set) the share of micro-batches they cover
+        (:meth:`graph_sets`) replays and the rest runs eagerly, each at its own pace."""
+        recompute = self.stage_checkpoints(stage)
+        gpu = stage.flops * (4.0 / 3.0 if recompute else 1.0) / (self.tflops * 1e12)
+        layers = {"enc": stage.encoder_layers, "dec": stage.decoder_layers}
+        eager = sum(n * EAGER_HOST_S[k] for k, n in layers.items())
+        eager *= RECOMPUTE_HOST_FACTOR if recompute else 1.0
+        if not self.graph_shapes:
+            return StageTime(gpu, eager, max(gpu, eager))
+        graphed = sum(n * PARAM_TENSORS[k] for k, n in layers.items()) * GRAPHED_HOST_S_PER_TENSOR
+        c = _covered(self.graph_sets(stage))
+        pace = c * max(gpu, graphed) + (1.0 - c) * max(gpu, eager)
+        return StageTime(gpu, c * graphed + (1.0 - c) * eager, pace)
+
     @property
     def seconds_per_update(self) -> float:
-        """FLOPs / (gpus x sustained TFLOP/s), stretched by the pipeline bubble."""
-        return self.flops_per_update / (self.gpus * self.tflops * 1e12) / (1.0 - self.bubble)
+        """One update of the 1F1B pipeline: each stage's micro-batch time once (filling and
+        draining) plus m - 1 more of the slowest stage's, which paces the steady state (equal
+        stages: (m + p - 1) x t). Left out: the optimizer step, the data-parallel reductions
+        and the sends between stages."""
+        times = [self.stage_time(s).seconds for s in self.stage_plans]
+        return sum(times) + (self.micro_batches - 1) * max(times)
+
+    def graphed(self) -> RunPlan | None:
+        """This plan with CUDA graphs of every bucket shape (``model.cuda_graphs=on``; under
+        ``activation_checkpoint_interval: auto`` a stage may then recompute for its graphs),
+        or None without bucket shapes (dynamic shapes are not graphed)."""
+        shapes = self.graph_shapes or self.bucket_shapes
+        return dataclasses.replace(self, graph_shapes=shapes) if shapes else None
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds of one micro-batch's forward and backward on a stage (:meth:`RunPlan.stage_time`)."""
+
+    gpu: float
+    """The GPU's work: matmul FLOPs at the sustained rate."""
+    host: float
+    """The host's: launching it (on average over eager and replayed micro-batches)."""
+    seconds: float
+    """The stage's pace: the slower of the two, micro-batch by micro-batch (the host runs
+    ahead of the GPU as long as nothing syncs: one host sync per update)."""
 
 
 def _covered(sets: tuple[int, int]) -> float:
@@ -604,6 +692,16 @@ def plan_run(
                 graph_set_bytes=graph_bytes,
                 graph_grad_bytes=graph_grads,
                 layer_ranges=ranges,
+                flops=matmul_flops(
+                    enc,
+                    dec,
+                    m.hidden_size,
+                    m.ffn_hidden_size,
+                    vocab if "output" in kinds else 0,
+                    tokens,
+                    tokens,
+                    tokens / MEAN_SENTENCE_TOKENS,
+                ),
             )
         )
     return RunPlan(
@@ -620,6 +718,7 @@ def plan_run(
         overhead=overhead,
         stage_plans=plans,
         tflops=tflops,
+        max_steps=cfg.train.max_steps,
     )
 
 
@@ -769,14 +868,65 @@ def format_plan(plan: RunPlan) -> str:
         f"{_gb(plan.peak())} GB of {_gb(plan.gpu_memory)} GB -> {verdict}",
         f"peak per GPU {'without' if ck else 'with'} checkpointing: {_gb(plan.peak(not ck))} GB "
         f"-> {other}",
-        f"tokens per update: {plan.tokens_per_update:,}; ~{plan.flops_per_update / 1e15:.3g} "
-        f"PFLOP per update; ~{plan.seconds_per_update:.3g} s per update at "
-        f"{plan.tflops:.0f} TFLOP/s sustained per GPU",
+        f"tokens per update: {plan.tokens_per_update:,} per side; "
+        f"~{plan.flops_per_update / 1e15:.3g} PFLOP of matmuls per update (model FLOPs, as "
+        "train.py's tflops_per_gpu counts them)",
         f"checkpoint: ~{_gb(ckpt_total)} GB in total, up to {_gb(ckpt_rank)} GB written by one rank",
     ]
     if plan.graph_shapes:
         lines += ["", *_format_graphs(plan)]
+    lines += ["", *_format_time(plan)]
     return "\n".join(lines)
+
+
+def _pace(plan: RunPlan) -> str:
+    """'~T s per update, paced by stage s (host-bound: ...)'."""
+    times = [plan.stage_time(s) for s in plan.stage_plans]
+    s = max(range(len(times)), key=lambda i: times[i].seconds)
+    t = times[s]
+    bound = "host-bound" if t.host > t.gpu else "GPU-bound"
+    return (
+        f"~{plan.seconds_per_update:.3g} s per update, paced by stage {s} ({bound}: "
+        f"{t.host * 1e3:.0f} ms of host time and {t.gpu * 1e3:.0f} ms of GPU time per "
+        "micro-batch)"
+    )
+
+
+def _format_time(plan: RunPlan) -> list[str]:
+    """Per stage, a micro-batch's GPU and host time eagerly and with CUDA graphs, the time per
+    update of each, and what ``train.max_steps`` updates take (:meth:`RunPlan.stage_time`)."""
+    eager = dataclasses.replace(plan, graph_shapes=0)
+    graphed = plan.graphed()
+    configured = "CUDA graphs" if plan.graph_shapes else "eager"
+    lines = [
+        f"time per micro-batch and stage: GPU at {plan.tflops:g} TFLOP/s sustained (--tflops; "
+        "a third more where a stage recomputes), host as an H100 ran eager layers (~"
+        f"{EAGER_HOST_S['enc'] * 1e3:.1f} ms per encoder and {EAGER_HOST_S['dec'] * 1e3:.1f} ms "
+        "per decoder layer, twice that recomputing) or, replayed from CUDA graphs, their "
+        "gradients' hand-over; the slower of the two sets the stage's pace (planner.py)",
+        "",
+        "| stage | GFLOP per micro-batch | eager: GPU ms | eager: host ms | graphs: GPU ms "
+        "| graphs: host ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s, g in zip(eager.stage_plans, (graphed or eager).stage_plans, strict=True):
+        cells = [eager.stage_time(s), *([graphed.stage_time(g)] if graphed else [])]
+        ms = " | ".join(f"{t.gpu * 1e3:.1f} | {t.host * 1e3:.1f}" for t in cells)
+        lines.append(f"| {s.stage} | {s.flops / 1e9:,.0f} | {ms} |" + ("" if graphed else "  |  |"))
+    lines += ["", f"time per update (1F1B: each stage's micro-batch once, then "
+              f"{plan.micro_batches - 1} more of the slowest stage's; as configured: {configured}):"]  # fmt: skip
+    lines.append(f"- eager: {_pace(eager)}")
+    if graphed is not None:
+        lines.append(f"- CUDA graphs (model.cuda_graphs=on): {_pace(graphed)}")
+    else:
+        lines.append("- CUDA graphs: not with data.bucket_shapes=0 (dynamic shapes)")
+    if plan.max_steps:
+        days = [f"~{eager.seconds_per_update * plan.max_steps / 86400:.1f} days eager"]
+        if graphed is not None:
+            days.append(f"~{graphed.seconds_per_update * plan.max_steps / 86400:.1f} days with "
+                        "CUDA graphs")  # fmt: skip
+        lines.append(f"- train.max_steps = {plan.max_steps:,} updates: " + ", ".join(days))
+    return lines
 
 
 def _format_graphs(plan: RunPlan) -> list[str]:

@@ -324,7 +324,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
         first = len(updates) // 2 + 1
         rows += [
             Row(f"train.py {what}, bf16, {name}: tokens/s (median of updates {first}-{len(updates)})",
-                f"{tps:,.0f} (planner at {plan.tflops:g} TFLOP/s: {predicted:,.0f}); "
+                f"{tps:,.0f} (planner: {predicted:,.0f}); "
                 f"{achieved / 1e12:.2f} TFLOP/s = {achieved / (peak * 1e9):.1%} of the bf16 "
                 "matmul peak"),
             Row(f"train.py peak memory, {name}",

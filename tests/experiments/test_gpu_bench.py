@@ -78,7 +78,11 @@ def test_cpu_small_mode_prints_every_row(tmp_path, capsys) -> None:
         assert any(line.startswith(f"| {gpu_bench.LABELS[name]} | 64 | ") for line in table)
     assert rows["train.py"]["planned_memory"] > 0 and rows["train.py"]["data_ms"] > 0
     assert "host time per update in its data stream" in out
-    assert "planner:" in next(line for line in table if "train.py" in line)
+    ours = next(line for line in table if "train.py" in line)
+    assert "planner:" in ours
+    # the planner's time per update beside the measured one (planner.RunPlan.seconds_per_update)
+    assert rows["train.py"]["planned_ms"] > 0
+    assert f"| {rows['train.py']['ms_per_update']:.1f} (planner: " in ours
     assert "not run on the CPU" in rows["torch-compiled"]["note"]
     assert "bf16 matmul peak" in out and "train.py's tokens/s over: " in out
 

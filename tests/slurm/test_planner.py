@@ -193,7 +193,9 @@ def test_cli_prints_the_table_and_total(tmp_path):
     assert "total parameters: 3.71B" in proc.stdout
     assert "| 15 |" in proc.stdout and "pipeline bubble" in proc.stdout
     plan = plan_run(load_config("opus100_1000L"), 32, 40 * GB, config_name="opus100_1000L")
+    plan = dataclasses.replace(plan, bucket_shapes=48)  # data.bucket_shapes: auto
     assert format_plan(plan) == proc.stdout.strip()
+    assert "- train.max_steps = 100,000 updates: ~" in proc.stdout
     bad = subprocess.run(
         [sys.executable, tool, "--config", "opus100_1000L", "--gpus", "12"]
         + ["pipeline.fallback_stages="],
@@ -238,7 +240,7 @@ def test_every_plan_keeps_the_recipes_tokens_per_update(capsys, tmp_path, gpus, 
     for extra in ([], ["--stages", "auto"], ["--stages", "16"] if gpus % 16 == 0 else []):
         assert plan.main([*args, *extra]) == 0
         out = capsys.readouterr().out
-        assert f"tokens per update: {128 * 4096:,};" in out
+        assert f"tokens per update: {128 * 4096:,} per side;" in out
         if not extra:
             assert f"= {stages} stages x {dp} data-parallel; bf16, ZeRO-1; {micro} micro" in out
 
@@ -287,7 +289,7 @@ def test_cli_plans_the_layout_the_trainer_takes(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("layout: layout 3 stages x 8 data-parallel, 16 micro-batches")
     assert "pipeline.stages=16 does not divide the world size 24" in out.splitlines()[0]
-    assert "= 3 stages x 8 data-parallel" in out and "tokens per update: 524,288;" in out
+    assert "= 3 stages x 8 data-parallel" in out and "tokens per update: 524,288 per side;" in out
     monkeypatch.setattr(plan, "saved_batch", lambda save_dir: SavedBatch(64, 2))
     # resumed from 16 x 2, the config without pipeline.data_parallel: the checkpoint's 128
     assert plan.main([*args, "pipeline.data_parallel=0"]) == 0
@@ -327,7 +329,7 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
     assert plan.stage_plans[3].graph_grad_bytes == plan.stage_plans[3].params * 2
     assert plan.stage_plans[3].graph_set_bytes == 4 * 4096 * 512 * 2 + 2 * 4096 * 8
     assert plan_command.main(["--config", "opus100_1000L", "--gpus", "32"]) == 0
-    assert "CUDA graphs" not in capsys.readouterr().out  # off: no graph rows
+    assert "CUDA graphs (model.cuda_graphs on" not in capsys.readouterr().out  # off: no graph rows
     argv = ["--config", "opus100_1000L", "--gpus", "32", "model.cuda_graphs=on"]
     assert plan_command.main(argv) == 0
     out = capsys.readouterr().out
@@ -379,3 +381,97 @@ def test_auto_recompute_lets_each_stage_graph_every_micro_batch() -> None:
     one = dataclasses.replace(plan_run(single, 1, 80 * GB), graph_shapes=48)
     assert one.graph_sets(one.stage_plans[0]) == (48, 48)
     assert not one.stage_checkpoints(one.stage_plans[0])
+
+
+def test_param_tensors_and_stage_flops_are_the_models() -> None:
+    """The time model's counts: a layer's parameter tensors (each hands its gradient over once
+    per micro-batch) are the real layers', and the stages' FLOPs per micro-batch add up to the
+    whole model's training_flops (what train.py logs) at the same tokens."""
+    from megatron_branchnorm.parallel.planner import (
+        MEAN_SENTENCE_TOKENS,
+        PARAM_TENSORS,
+        training_flops,
+    )
+
+    m = small(16, 40)
+    assert PARAM_TENSORS["enc"] == len(list(EncoderLayer(m, 1.0, 1.0, 1, 0).parameters()))
+    assert PARAM_TENSORS["dec"] == len(list(DecoderLayer(m, 1.0, 1.0, 1, 0).parameters()))
+    for stages in (1, 3, 16):
+        plan = plan_run(load_config("opus100_1000L"), stages, 80 * GB, stages=stages)
+        n = plan.micro_batch_tokens
+        whole = training_flops(plan.model, n, n, n / MEAN_SENTENCE_TOKENS)
+        assert sum(s.flops for s in plan.stage_plans) == pytest.approx(whole, rel=1e-12)
+        assert plan.flops_per_update == pytest.approx(whole * plan.micro_batches * plan.dp)
+
+
+def test_update_time_is_paced_by_the_slowest_stage() -> None:
+    """planner.RunPlan.seconds_per_update: each stage's micro-batch once and m - 1 more of the
+    slowest; a stage's micro-batch takes the slower of its GPU (FLOPs at --tflops, a third more
+    recomputing) and its host (eager layers as the H100 ran them, twice that recomputing; the
+    gradients' hand-over where graphs replay). Calibrated on the H100's eager 12L-12L update
+    (108.4 ms at 4,096 tokens per side: host-bound), and on opus100_1000L the eager pipeline
+    is host-bound where its CUDA graphs make it GPU-bound."""
+    from megatron_branchnorm.parallel.planner import (
+        EAGER_HOST_S,
+        H100_EAGER_UPDATE_S,
+        RECOMPUTE_HOST_FACTOR,
+    )
+
+    h100 = load_config("opus100_12L", ["model.encoder_layers=12", "model.decoder_layers=12",
+                                       "pipeline.stages=1", "train.micro_batches=1"])  # fmt: skip
+    one = plan_run(h100, 1, 80 * GB, vocab_size=32000)
+    t = one.stage_time(one.stage_plans[0])
+    assert t.host > t.gpu and one.seconds_per_update == pytest.approx(H100_EAGER_UPDATE_S)
+    assert EAGER_HOST_S["dec"] > EAGER_HOST_S["enc"]  # the decoder launches more
+
+    cfg = load_config("opus100_1000L")
+    eager = plan_run(cfg, 32, 40 * GB)
+    times = [eager.stage_time(s) for s in eager.stage_plans]
+    m = eager.micro_batches
+    assert eager.seconds_per_update == pytest.approx(
+        sum(x.seconds for x in times) + (m - 1) * max(x.seconds for x in times)
+    )
+    for s, x in zip(eager.stage_plans, times, strict=True):
+        assert x.seconds == max(x.gpu, x.host) and x.host > x.gpu  # eager: host-bound
+        plain = dataclasses.replace(eager, checkpoint_interval=0).stage_time(s)
+        if eager.stage_checkpoints(s):  # stages 0-9 on 40 GB recompute
+            assert x.gpu == pytest.approx(plain.gpu * 4 / 3)
+            assert x.host == pytest.approx(plain.host * RECOMPUTE_HOST_FACTOR)
+        else:
+            assert x == plain
+    graphed = eager.graphed()
+    assert graphed is None  # no bucket shapes given: no graphs
+    graphed = dataclasses.replace(eager, bucket_shapes=48).graphed()
+    assert graphed.graph_shapes == 48
+    for s in graphed.stage_plans:
+        x = graphed.stage_time(s)
+        assert x.gpu > x.host and x.seconds == x.gpu  # every micro-batch replays: GPU-bound
+    assert graphed.seconds_per_update < eager.seconds_per_update / 4
+    # equal stages: (m + p - 1) x one stage's time
+    flat = dataclasses.replace(eager, stage_plans=[eager.stage_plans[1]] * eager.stages,
+                               checkpoint_interval=0)  # fmt: skip
+    per = flat.stage_time(eager.stage_plans[1]).seconds
+    assert flat.seconds_per_update == pytest.approx((m + eager.stages - 1) * per)
+
+
+def test_graphs_that_cover_part_of_a_stage_pace_each_micro_batch_by_its_own_bound() -> None:
+    """Micro-batches a stage's graphs do not cover run eagerly at the host's pace, the others
+    at the GPU's: the stage's time is their mix, not the slower of an averaged host and the
+    GPU (which would hide the eager ones under the GPU's time)."""
+    cfg = load_config("opus100_12L", ["pipeline.stages=1"])
+    plan = dataclasses.replace(plan_run(cfg, 1, 80 * GB), graph_shapes=48)
+    stage = plan.stage_plans[0]
+    wanted, fit = plan.graph_sets(stage)
+    assert fit == wanted == 48
+    # make half the graph sets fit: a set as large as half the room for them
+    room = plan.graph_allowance(stage) - stage.graph_grad_bytes
+    half = dataclasses.replace(stage, graph_set_bytes=room / 24)
+    plan = dataclasses.replace(plan, stage_plans=[half])
+    assert plan.graph_sets(half) == (48, 24)
+    eager = dataclasses.replace(plan, graph_shapes=0).stage_time(half)
+    x = plan.stage_time(half)
+    assert x.gpu == eager.gpu and eager.host > 2 * eager.gpu
+    graphed = 2 * x.host - eager.host  # x.host: the mean of the graphed and the eager host
+    assert 0 < graphed < x.gpu
+    assert x.seconds == pytest.approx(0.5 * x.gpu + 0.5 * eager.host)
+    assert x.seconds > max(x.gpu, x.host)
