@@ -37,6 +37,7 @@ from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data.buckets import max_shapes_of
 from megatron_branchnorm.formats.outputs import write_stdout
 from megatron_branchnorm.parallel.planner import (
+    DEFAULT_TFLOPS,
     DEFAULT_VOCAB,
     PlanError,
     auto_stages,
@@ -110,7 +111,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tflops",
         type=float_flag(1e-9),
-        default=100.0,
+        default=DEFAULT_TFLOPS,
         help="sustained TFLOP/s of a GPU's matmuls for the time estimate (the host's pace "
         "is the planner's, measured on an H100)",
     )

@@ -6,6 +6,7 @@
     python tools/_bench_micro.py --dropout-ab    # our CPU dropout vs F.dropout, alone and in a step
     python tools/_bench_micro.py --compile-ab    # the residual tail LN(x + a*drop(y)), eager vs compiled
     python tools/_bench_micro.py --split-ab      # attention heads: unbind (the model's) vs slicing
+    python tools/_bench_micro.py --recompute-ab  # a layer's host time, recomputed or not
 
 Variants timed in one run: the label-smoothed loss (reference log_softmax form vs the fused
 autograd function, forward + backward on (2048, 8000) logits) and Adam over our 12L-12L
@@ -15,6 +16,7 @@ model's parameters (for-loop, foreach, fused).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -210,6 +212,46 @@ def split_ab(a: argparse.Namespace) -> None:
     print(f"slice faster: {ratio:.3f}x")
 
 
+def recompute_ab(a: argparse.Namespace) -> None:
+    """The host's time for one encoder and one decoder layer's forward and backward, plain and
+    recomputed (``torch.utils.checkpoint``, non-reentrant, as the pipeline's
+    ``activation_checkpoint_func``), at a width where the kernels cost next to nothing (d=32, 4
+    x 16 tokens): what planner.RECOMPUTE_HOST_FACTOR stands for. Rounds alternate the two ways;
+    each round's figure is the fastest of its calls (the least disturbed by other load), and the
+    rounds' median is printed."""
+    import functools
+
+    from megatron_branchnorm.config import ModelConfig
+    from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
+
+    m = ModelConfig(hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, vocab_size=64)
+    enc, dec = EncoderLayer(m, 1.0, 1.0, 1, 0).train(), DecoderLayer(m, 1.0, 1.0, 1, 0).train()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    memory = torch.randn(4, 16, 32, requires_grad=True)
+    pad = torch.zeros(4, 16, dtype=torch.bool)
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    def pair(recompute: bool) -> None:
+        run = checkpoint if recompute else (lambda f, *args: f(*args))
+        h = run(enc, x, pad)
+        run(dec, h, memory, pad).sum().backward()
+
+    calls = 50
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(a.reps):
+        for recompute in (False, True):
+            best = math.inf
+            for _ in range(calls):
+                started = time.perf_counter()
+                pair(recompute)
+                best = min(best, time.perf_counter() - started)
+            times[recompute].append(best)
+    plain, again = (statistics.median(times[r]) * 1e3 for r in (False, True))
+    print(f"load {os.getloadavg()}; {a.reps} rounds of {calls} calls each way")
+    print(f"encoder + decoder layer, forward and backward: {plain:.3f} ms plain, {again:.3f} ms "
+          f"recomputed: {again / plain:.2f}x")  # fmt: skip
+
+
 def profile(a: argparse.Namespace) -> None:
     from torch.profiler import profile as prof
 
@@ -233,6 +275,7 @@ def main() -> None:
     p.add_argument("--dropout-ab", action="store_true", help="our dropout vs F.dropout")
     p.add_argument("--compile-ab", action="store_true", help="residual tail: eager vs compiled")
     p.add_argument("--split-ab", action="store_true", help="attention heads: slice vs unbind")
+    p.add_argument("--recompute-ab", action="store_true", help="a layer's host time, recomputed")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.dropout_ab:
@@ -241,6 +284,8 @@ def main() -> None:
         compile_ab(a)
     elif a.split_ab:
         split_ab(a)
+    elif a.recompute_ab:
+        recompute_ab(a)
     elif a.profile:
         profile(a)
     else:

@@ -100,6 +100,9 @@ LOSS_CHUNK_ELEMENTS = 1 << 24
 
 # What a micro-batch costs in time (:meth:`RunPlan.stage_time`): the GPU's matmuls at the
 # sustained rate ``--tflops``, and the host's work, which paces a layer run eagerly at d=512.
+DEFAULT_TFLOPS = 100.0
+"""The GPU's sustained matmul rate the planner assumes (``--tflops``): an assumption until a GPU
+run of the graphed path measures it (issue 41)."""
 H100_EAGER_UPDATE_S = 108.4e-3
 """One eager update of 12L-12L (d=512, 4,096 tokens per side, one micro-batch, the 1-stage
 DeepSpeed engine, bf16 + ZeRO-1) on the H100 of issue 41 (../shared/DESIGN.md §12): its
@@ -117,10 +120,15 @@ EAGER_HOST_S = {
 }
 """Host seconds of one eager layer's forward and backward per micro-batch (3.40 ms encoder,
 5.63 ms decoder): :data:`H100_EAGER_UPDATE_S` over 12 layer pairs, split by launches."""
-RECOMPUTE_HOST_FACTOR = 2.0
-"""Eager recompute (DeepSpeed's checkpoint of every layer) doubles a layer's host time: 2.55
--> 5.08 ms per layer pair on the development CPU (``gpu_bench.py --device cpu --systems
-train.py --tokens 64 --layers 1|12`` at interval 0 and 1, where the kernels cost nothing)."""
+RECOMPUTE_HOST_FACTOR = 1.5
+"""What eager recompute (``torch.utils.checkpoint`` of every layer) multiplies a layer's host
+time by, measured on the development CPU where the kernels cost nothing: the layers alone
+2.14x (``tools/_bench_micro.py --recompute-ab``: 1.36 -> 2.91 ms per encoder + decoder pair,
+twice, fastest calls), and the whole trainer 1.3-2.0x per layer pair over four runs of
+``gpu_bench.py --device cpu --systems train.py --tokens 64 --layers 1|12`` at interval 0 and 1
+(their wall times move with the machine's load). Recompute repeats a layer's forward and its
+checkpoint bookkeeping, not the gradients' hand-over: 1 + 1.55 ms over the trainer's ~2.95 ms
+per pair is 1.5."""
 PARAM_TENSORS = {"enc": 12, "dec": 20}
 """Parameter tensors of an encoder and a decoder layer (tests/slurm/test_planner.py counts the
 real layers')."""
@@ -369,8 +377,8 @@ class RunPlan:
 
     def stage_checkpoints(self, stage: StagePlan) -> bool:
         """Whether ``stage`` recomputes its layers: as configured, or under "auto" when it does
-        not fit one GPU without, or when its CUDA graphs (``graph_shapes`` > 0) would replay a
-        larger share of its micro-batches with recompute than without (:meth:`graphs_pay`)."""
+        not fit one GPU without, or when with its CUDA graphs (``graph_shapes`` > 0) it runs its
+        micro-batches faster recomputing than not (:meth:`graphs_pay`)."""
         if self.checkpoint_interval == "auto":
             return self._must_recompute(stage) or self.graphs_pay(stage)
         return self.checkpoint_interval > 0
@@ -394,10 +402,14 @@ class RunPlan:
         micro-batch in flight, and its pool holds one micro-batch's activations instead of a
         second copy of them all. A micro-batch a graph does not cover runs its layers eagerly,
         which the host paces at several times the GPU's time for them, where recompute adds
-        one forward (a third of a layer's GPU time)."""
+        one forward (a third of a layer's GPU time): it pays where the stage's micro-batch is
+        then faster (:meth:`stage_time`); on a tie (every micro-batch replays either way) it
+        does not. Judged at :data:`DEFAULT_TFLOPS`, as the trainer plans, whatever ``--tflops``
+        the time is shown at."""
         if not self.graph_shapes:
             return False
-        return _covered(self._graph_sets(stage, True)) > _covered(self._graph_sets(stage, False))
+        with_, without = (self._stage_time(stage, r, DEFAULT_TFLOPS) for r in (True, False))
+        return with_.seconds < without.seconds
 
     @property
     def checkpointing(self) -> bool:
@@ -478,15 +490,17 @@ class RunPlan:
         recomputing) or :data:`GRAPHED_HOST_S_PER_TENSOR` per parameter tensor of a layer a
         graph replays. With graphs (``graph_shapes`` set) the share of micro-batches they cover
         (:meth:`graph_sets`) replays and the rest runs eagerly, each at its own pace."""
-        recompute = self.stage_checkpoints(stage)
-        gpu = stage.flops * (4.0 / 3.0 if recompute else 1.0) / (self.tflops * 1e12)
+        return self._stage_time(stage, self.stage_checkpoints(stage), self.tflops)
+
+    def _stage_time(self, stage: StagePlan, recompute: bool, tflops: float) -> StageTime:
+        gpu = stage.flops * (4.0 / 3.0 if recompute else 1.0) / (tflops * 1e12)
         layers = {"enc": stage.encoder_layers, "dec": stage.decoder_layers}
         eager = sum(n * EAGER_HOST_S[k] for k, n in layers.items())
         eager *= RECOMPUTE_HOST_FACTOR if recompute else 1.0
         if not self.graph_shapes:
             return StageTime(gpu, eager, max(gpu, eager))
         graphed = sum(n * PARAM_TENSORS[k] for k, n in layers.items()) * GRAPHED_HOST_S_PER_TENSOR
-        c = _covered(self.graph_sets(stage))
+        c = _covered(self._graph_sets(stage, recompute))
         pace = c * max(gpu, graphed) + (1.0 - c) * max(gpu, eager)
         return StageTime(gpu, c * graphed + (1.0 - c) * eager, pace)
 
@@ -620,7 +634,7 @@ def plan_run(
     micro_batches: int | None = None,
     vocab_size: int | None = None,
     overhead: float = 3 * GB,
-    tflops: float = 100.0,
+    tflops: float = DEFAULT_TFLOPS,
     config_name: str = "",
 ) -> RunPlan:
     """Plan ``cfg`` on ``gpus`` GPUs of ``gpu_memory`` bytes (see the module docstring)."""
@@ -737,8 +751,8 @@ def auto_checkpoint_interval(
 ) -> int:
     """``pipeline.activation_checkpoint_interval`` for ``stage`` of ``cfg`` on ``world``
     ranks with ``device_memory`` bytes each: the configured interval, or under "auto" 1 when
-    the planner says the stage does not fit without recompute, or when the CUDA graphs of
-    ``graph_shapes`` shapes cover more of its micro-batches with recompute
+    the planner says the stage does not fit without recompute, or when with the CUDA graphs of
+    ``graph_shapes`` shapes it runs its micro-batches faster recomputing
     (:meth:`RunPlan.graphs_pay`), else 0 (recompute costs a forward pass and its kernel
     launches: docs/design.md §14)."""
     interval = cfg.pipeline.activation_checkpoint_interval
@@ -815,9 +829,8 @@ def _describe_checkpointing(plan: RunPlan) -> str:
         which = "none" if not memory else f"stage(s) {', '.join(map(str, memory))}"
         text = f"auto (recompute where a stage does not fit without: {which}"
         if for_graphs:
-            text += (
-                "; where its CUDA graphs then replay more of its micro-batches: stage(s) "
-                + ", ".join(map(str, for_graphs))
+            text += "; where it is then faster with its CUDA graphs: stage(s) " + ", ".join(
+                map(str, for_graphs)
             )
         return text + ")"
     return f"every {plan.checkpoint_interval} layer(s)" if plan.checkpointing else "off"
@@ -902,8 +915,9 @@ def _format_time(plan: RunPlan) -> list[str]:
         f"time per micro-batch and stage: GPU at {plan.tflops:g} TFLOP/s sustained (--tflops; "
         "a third more where a stage recomputes), host as an H100 ran eager layers (~"
         f"{EAGER_HOST_S['enc'] * 1e3:.1f} ms per encoder and {EAGER_HOST_S['dec'] * 1e3:.1f} ms "
-        "per decoder layer, twice that recomputing) or, replayed from CUDA graphs, their "
-        "gradients' hand-over; the slower of the two sets the stage's pace (planner.py)",
+        f"per decoder layer, {RECOMPUTE_HOST_FACTOR:g}x that recomputing) or, replayed from CUDA "
+        "graphs, their gradients' hand-over; the slower of the two sets the stage's pace "
+        "(planner.py)",
         "",
         "| stage | GFLOP per micro-batch | eager: GPU ms | eager: host ms | graphs: GPU ms "
         "| graphs: host ms |",

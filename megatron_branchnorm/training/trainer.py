@@ -254,7 +254,7 @@ class Trainer:
         """The stage's layer stack as CUDA graphs per bucket shape (docs/design.md §19), where
         ``model.cuda_graphs`` and the run allow. Under activation_checkpoint_interval=auto a
         stage that fits without recompute still recomputes where that lets its graphs replay
-        more of its micro-batches (planner.RunPlan.graphs_pay)."""
+        enough more of its micro-batches to make it faster (planner.RunPlan.graphs_pay)."""
         settings = dict(
             device=torch.device(self.engine.device),
             bucket_shapes=cfg.data.bucket_shapes,

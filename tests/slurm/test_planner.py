@@ -347,8 +347,8 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
 
 def test_auto_recompute_lets_each_stage_graph_every_micro_batch() -> None:
     """Under activation_checkpoint_interval=auto with CUDA graphs, a stage that fits without
-    recompute still recomputes when its graphs then replay a larger share of its (shape,
-    micro-batch in flight) pairs (planner.RunPlan.graphs_pay), and only then: opus100_1000L on
+    recompute still recomputes when its graphs then replay enough more of its (shape,
+    micro-batch in flight) pairs to make it faster (planner.RunPlan.graphs_pay): opus100_1000L on
     32 x 40 GB graphed only stages 0-9 (they must recompute) and 14-15 fully, 10-12 not at all
     and 13 in part, and now every stage; the trainer's choice per stage is the plan's, with or
     without graphs."""
@@ -374,7 +374,7 @@ def test_auto_recompute_lets_each_stage_graph_every_micro_batch() -> None:
     assert graphed.fits() and graphed.peak() <= eager.peak()
     assert (
         "auto (recompute where a stage does not fit without: stage(s) 0, 1, 2, 3, 4, 5, 6, 7, 8, "
-        "9; where its CUDA graphs then replay more of its micro-batches: stage(s) 10, 11, 12, 13)"
+        "9; where it is then faster with its CUDA graphs: stage(s) 10, 11, 12, 13)"
     ) in format_plan(graphed)
     # a tie keeps the cheaper way: one stage, one micro-batch in flight, room for every graph
     single = load_config("opus100_12L", ["pipeline.stages=1"])
@@ -475,3 +475,38 @@ def test_graphs_that_cover_part_of_a_stage_pace_each_micro_batch_by_its_own_boun
     assert 0 < graphed < x.gpu
     assert x.seconds == pytest.approx(0.5 * x.gpu + 0.5 * eager.host)
     assert x.seconds > max(x.gpu, x.host)
+
+
+def test_a_stage_recomputes_for_its_graphs_only_where_that_is_faster() -> None:
+    """Under auto with CUDA graphs, a stage that fits either way recomputes where its
+    micro-batch is then faster by the planner's time (planner.RunPlan.graphs_pay): one whose
+    graphs cover 93 of its 96 (shape, micro-batch) pairs without recompute and all 48 with it
+    does not (3% eager costs less than a third more GPU work on every micro-batch), one whose
+    graphs cover 48 of 96 does; on every shipped recipe the choice is the faster one."""
+    cfg = load_config("opus100_200L")
+    plan = dataclasses.replace(plan_run(cfg, 8, 80 * GB), graph_shapes=48)
+    stage = plan.stage_plans[6]
+    assert stage.in_flight == 2 and not plan._must_recompute(stage)
+    for fit, recomputes in ((93, False), (48, True)):
+        room = plan._allowance(stage, False) - stage.graph_grad_bytes
+        tight = dataclasses.replace(stage, graph_set_bytes=room / (fit + 0.5))
+        tried = dataclasses.replace(plan, stage_plans=[*plan.stage_plans[:6], tight])
+        assert tried._graph_sets(tight, False) == (96, fit)
+        assert tried._graph_sets(tight, True) == (48, 48)
+        assert tried.stage_checkpoints(tight) is recomputes
+    for name, gpus, memory in (("opus100_200L", 8, 80), ("opus100_1000L", 32, 80),
+                               ("opus100_1000L", 32, 40)):  # fmt: skip
+        graphed = dataclasses.replace(
+            plan_run(load_config(name), gpus, memory * GB), graph_shapes=48
+        )
+        for s in graphed.stage_plans:
+            if graphed._must_recompute(s):
+                continue
+            times = [graphed._stage_time(s, r, graphed.tflops).seconds for r in (False, True)]
+            assert graphed.stage_checkpoints(s) == (times[1] < times[0])
+            assert graphed.stage_time(s).seconds == min(times)
+    # the choice is the trainer's whatever rate the time is shown at (--tflops)
+    fast = dataclasses.replace(graphed, tflops=1000.0)
+    assert [fast.stage_checkpoints(s) for s in fast.stage_plans] == [
+        graphed.stage_checkpoints(s) for s in graphed.stage_plans
+    ]
