@@ -126,6 +126,8 @@ class Result:
     peak_reserved: float | None = None  # bytes the caching allocator held (CUDA only)
     planned_memory: float | None = None  # bytes, train.py only
     planned_ms: float | None = None  # train.py only: the planner's time per update
+    planned_flops: float | None = None  # train.py only: the planner's GPU FLOPs per update
+    layers: int | None = None  # train.py only: encoder (= decoder) layers
     data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
     note: str = ""
 
@@ -384,6 +386,8 @@ def run_train_py(
         peak_reserved=reserved,
         planned_memory=planned,
         planned_ms=plan.seconds_per_update * 1e3,
+        planned_flops=plan.stage_time(plan.stage_plans[0]).gpu * plan.tflops * 1e12,
+        layers=shape.layers,
         data_ms=steady_state(data_s[:updates]) * 1e3,
     )
 
@@ -628,7 +632,32 @@ def format_table(bench: Bench, device: str) -> str:
             "train.py's host time per update in its data stream (batches read, collated and "
             "padded to their bucket; the median of the timed updates): " + ", ".join(data),
         ]
+    implied = [_implied(r) for r in bench.rows if r.planned_ms is not None and r.tokens_per_s]
+    if implied:
+        lines += [
+            "",
+            "what these runs make of the planner's rates (planner.RunPlan.stage_time; a GPU run "
+            "calibrates it by them): " + "; ".join(implied),
+        ]
     return "\n".join(lines)
+
+
+def _implied(r: Result) -> str:
+    """The planner's rate a train.py row implies: eagerly the host's time per layer pair (if
+    the host set the pace), with graphs the GPU's sustained TFLOP/s (if the GPU did)."""
+    from megatron_branchnorm.parallel.planner import DEFAULT_TFLOPS, EAGER_HOST_S
+
+    if r.system == "train.py":
+        pair = sum(EAGER_HOST_S.values()) * 1e3
+        return (
+            f"train.py at {r.tokens:,}: {r.ms_per_update / r.layers:.2f} ms of host time per "
+            f"encoder + decoder layer pair if the host set the pace (planner: {pair:.2f} ms)"
+        )
+    rate = r.planned_flops / (r.ms_per_update * 1e-3) / 1e12
+    return (
+        f"{r.system} at {r.tokens:,}: {rate:.1f} TFLOP/s of matmuls (padding counted) if the GPU "
+        f"set the pace (planner: {DEFAULT_TFLOPS:g})"
+    )
 
 
 @contextlib.contextmanager

@@ -83,6 +83,8 @@ def test_cpu_small_mode_prints_every_row(tmp_path, capsys) -> None:
     # the planner's time per update beside the measured one (planner.RunPlan.seconds_per_update)
     assert rows["train.py"]["planned_ms"] > 0
     assert f"| {rows['train.py']['ms_per_update']:.1f} (planner: " in ours
+    per_pair = rows["train.py"]["ms_per_update"] / rows["train.py"]["layers"]
+    assert f"train.py at 64: {per_pair:.2f} ms of host time per encoder + decoder layer" in out
     assert "not run on the CPU" in rows["torch-compiled"]["note"]
     assert "bf16 matmul peak" in out and "train.py's tokens/s over: " in out
 
@@ -99,3 +101,21 @@ def test_no_system_starts_past_the_time_budget(tmp_path, capsys) -> None:
     ]
     assert len(rows) == 2, out
     assert all("not run: the --max-minutes 0.5 are spent" in line for line in rows), out
+
+
+def test_the_table_says_what_the_runs_make_of_the_planners_rates() -> None:
+    """Below the table, each train.py row's implied planner rate: eagerly the host's ms per
+    layer pair (the update's time over its layers), with graphs the GPU's sustained TFLOP/s
+    (the planner's GPU FLOPs of the update over its time): the figures the first GPU session
+    sets planner.EAGER_HOST_S and --tflops by."""
+    common = dict(tokens=4096, tokens_per_s=1e5, flops_per_s=1e13, busy=0.5, layers=12,
+                  planned_flops=2.0e12)  # fmt: skip
+    rows = [
+        gpu_bench.Result("train.py", ms_per_update=108.0, planned_ms=108.4, **common),
+        gpu_bench.Result("train.py+graphs", ms_per_update=20.0, planned_ms=20.0, **common),
+    ]
+    text = gpu_bench.format_table(gpu_bench.Bench([], 7.75e14, rows), "cuda")
+    assert "| 108.0 (planner: 108.4) |" in text and "| 20.0 (planner: 20.0) |" in text
+    assert "train.py at 4,096: 9.00 ms of host time per encoder + decoder layer pair" in text
+    assert "(planner: 9.03 ms)" in text
+    assert "train.py+graphs at 4,096: 100.0 TFLOP/s of matmuls (padding counted)" in text
