@@ -56,6 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,6 +131,12 @@ class Result:
     layers: int | None = None  # train.py only: encoder (= decoder) layers
     data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
     note: str = ""
+
+    def brief(self) -> str:
+        """The row in a few words, for the progress line printed as it ends."""
+        if self.ms_per_update is None:
+            return self.note
+        return f"{self.ms_per_update:.1f} ms per update, {self.tokens_per_s:,.0f} tokens/s"
 
 
 def steady_state(values: list[float]) -> float:
@@ -571,7 +578,13 @@ def run_bench(
             elif (reason := loop_skip_reason(system, device)) is not None:
                 row = Result(system, n, note=reason)
             elif system in ("train.py", "train.py+graphs"):
-                row = run_train_py(shape, n, updates, device, work, extra, system)
+                try:  # a failure (a capture the GPU refuses, out of memory) is this row's note
+                    row = run_train_py(shape, n, updates, device, work, extra, system)
+                except Exception as exc:
+                    _reset_memory(device)
+                    what = f"{type(exc).__name__}: {exc}"
+                    row = Result(system, n, note=f"failed: {one_line(what, 200)} (see the log)")
+                    traceback.print_exc()  # the whole story, into the log
             else:
                 try:
                     row = run_loop(system, shape, n, updates, device)
@@ -581,7 +594,7 @@ def run_bench(
                 except torch._dynamo.exc.BackendCompilerFailed as exc:
                     row = Result(system, n, note=f"compile failed: {one_line(str(exc), 160)}")
             rows.append(row)
-            log(f"{system} at {n} tokens: {time.perf_counter() - started:.1f} s")
+            log(f"{system} at {n} tokens: {time.perf_counter() - started:.1f} s: {row.brief()}")
     rows.sort(key=lambda r: (tokens.index(r.tokens), SYSTEMS.index(r.system)))
     header.append(f"total time: {time.perf_counter() - t0:.0f} s")
     return Bench(header, peak, rows)
@@ -681,7 +694,8 @@ def _output_to(log) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, run, print the table (module docstring); bad input is one line and exit 2."""
+    """Parse, run, print the table (module docstring); bad input is one line and exit 2, a
+    train.py row that failed (its note says why) exit 1."""
     from megatron_branchnorm.cli import run_main
 
     return run_main(_main, argv)
@@ -748,12 +762,19 @@ def _main(argv: list[str] | None) -> int:
 
     logger.setLevel(logging.ERROR)  # its memory reports would bury the table
     log_path = work / "gpu_bench.log"
-    with open(log_path, "w", encoding="utf-8") as log, _output_to(log):
-        bench = run_bench(
-            device, tokens, updates, systems, work, list(a.override),
-            log=lambda line: print(line, flush=True),
-            max_minutes=a.max_minutes or (7.0 if device == "cuda" else math.inf), shape=shape,
-        )  # fmt: skip
+    # each row's progress line also goes to this process's own output, past the redirection
+    # below: a run cut off by a time limit (a lent GPU's minutes) still shows the rows it ran
+    with open(os.dup(1), "w", encoding="utf-8") as terminal:
+
+        def progress(line: str) -> None:
+            print(line, flush=True)  # the log
+            print(line, file=terminal, flush=True)
+
+        with open(log_path, "w", encoding="utf-8") as log, _output_to(log):
+            bench = run_bench(
+                device, tokens, updates, systems, work, list(a.override), log=progress,
+                max_minutes=a.max_minutes or (7.0 if device == "cuda" else math.inf), shape=shape,
+            )  # fmt: skip
     print(format_table(bench, device))
     print(f"\nlogs: {log_path}")
     if a.json:
@@ -763,7 +784,7 @@ def _main(argv: list[str] | None) -> int:
                 {"header": bench.header, "peak_flops": bench.peak_flops, "rows": rows}, indent=1
             )
         )
-    return 0
+    return 1 if any(r.note.startswith("failed:") for r in bench.rows) else 0
 
 
 if __name__ == "__main__":

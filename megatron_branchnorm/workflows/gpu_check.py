@@ -54,6 +54,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -498,8 +499,16 @@ def parity_rows(ranks: int, work: Path) -> list[Row]:
     return rows
 
 
-def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
-    """Every check of the module docstring, as table rows; runs and logs go to ``work``."""
+def run_checks(
+    device: str,
+    ranks: int,
+    steps: int,
+    work: Path,
+    emit: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """Every check of the module docstring, as table rows; runs and logs go to ``work``.
+    ``emit`` gets each section's rows as the section ends, so that a run cut off by a time limit
+    (a lent GPU's minutes) still shows the sections it finished."""
     import torch
 
     from megatron_branchnorm.training.environment import setup_process_env
@@ -516,24 +525,33 @@ def run_checks(device: str, ranks: int, steps: int, work: Path) -> list[Row]:
     from deepspeed.accelerator import get_accelerator
 
     precisions = ["bf16"] + (["fp16"] if get_accelerator().is_fp16_supported() else [])
-    rows = environment(device)
+    rows: list[Row] = []
+
+    def add(section: list[Row]) -> None:
+        rows.extend(section)
+        if emit is not None:
+            emit(section)
+
+    first = environment(device)
     if "fp16" not in precisions:
-        rows.append(Row("fp16", "not run: this device cannot run fp16 (DeepSpeed's accelerator)"))
-    rows += precision_rows(device, precisions)
-    rows += apex_rows(device)
-    rows += throughput_rows(device, work, steps)
-    rows += cuda_graph_rows(device, work)
-    rows += recompute_dropout_rows(device)
-    rows += launch_rows(device)
-    rows += two_stage_rows(ranks, work)
-    rows += parity_rows(ranks, work)
+        first.append(Row("fp16", "not run: this device cannot run fp16 (DeepSpeed's accelerator)"))
+    add(first)
+    add(precision_rows(device, precisions))
+    add(apex_rows(device))
+    add(throughput_rows(device, work, steps))
+    add(cuda_graph_rows(device, work))
+    add(recompute_dropout_rows(device))
+    add(launch_rows(device))
+    add(two_stage_rows(ranks, work))
+    add(parity_rows(ranks, work))
     return rows
 
 
-def format_table(rows: list[Row]) -> str:
-    lines = ["| check | value | limit | verdict |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows]
-    return "\n".join(lines)
+TABLE_HEADER = "| check | value | limit | verdict |\n| --- | --- | --- | --- |"
+
+
+def format_rows(rows: list[Row]) -> str:
+    return "\n".join(f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,12 +585,21 @@ def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mbn_gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
+    out, shown = sys.stdout, []
+    print(TABLE_HEADER, flush=True)
+
+    def emit(section: list[Row]) -> None:  # each section's rows as it ends (and the JSON)
+        shown.extend(section)
+        if section:
+            print(format_rows(section), file=out, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.__dict__ for r in shown], indent=1))
+
     with open(work / "checks.log", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
-        rows = run_checks(device, ranks, args.steps, work)  # DeepSpeed's prints go to the log
-    print(format_table(rows))
+        rows = run_checks(device, ranks, args.steps, work, emit)  # DeepSpeed's prints: the log
+    if rows[len(shown) :]:
+        emit(rows[len(shown) :])
     print(f"\nlogs: {work}")
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0 if all(r.ok is not False for r in rows) else 1
 
 

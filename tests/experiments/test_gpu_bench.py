@@ -119,3 +119,23 @@ def test_the_table_says_what_the_runs_make_of_the_planners_rates() -> None:
     assert "train.py at 4,096: 9.00 ms of host time per encoder + decoder layer pair" in text
     assert "(planner: 9.03 ms)" in text
     assert "train.py+graphs at 4,096: 100.0 TFLOP/s of matmuls (padding counted)" in text
+
+
+def test_a_train_py_run_that_fails_is_its_rows_note_and_exit_1(tmp_path, capsys, monkeypatch):
+    """A train.py run that raises (a capture the GPU refuses, out of memory) becomes its row's
+    one-line note; the other systems still run, the table still prints, the exit status is 1."""
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nline two")
+
+    monkeypatch.setattr(gpu_bench, "run_train_py", refused)
+    argv = ["--device", "cpu", "--tokens", "64", "--updates", "2", "--systems", "train.py,ours",
+            "--workdir", str(tmp_path)]  # fmt: skip
+    assert gpu_bench.main(argv) == 1
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert table[2] == (
+        f"| {gpu_bench.LABELS['train.py']} | 64 | failed: RuntimeError: operation not permitted "
+        "when stream is capturing line two (see the log) | | | | |"
+    )
+    assert table[3].startswith(f"| {gpu_bench.LABELS['ours']} | 64 | ")
+    assert "Traceback" in (tmp_path / "gpu_bench.log").read_text()  # the whole story, logged

@@ -67,6 +67,30 @@ def test_a_failed_check_exits_1(monkeypatch, capsys, tmp_path):
     assert "| a check | 2e-1 | 1e-2 | FAIL |" in capsys.readouterr().out
 
 
+def test_rows_are_printed_as_each_section_ends(monkeypatch, capsys, tmp_path):
+    """A check cut off mid-way (a lent GPU's time limit, Ctrl-C) has already printed the
+    sections it finished, under the table's header, and written them to --json."""
+    import json
+
+    def cut_off(device, ranks, steps, work, emit):
+        emit([gpu_check.Row("environment", "here")])
+        emit([gpu_check.Row("precision", "1e-4", "1e-2", True)])
+        raise KeyboardInterrupt  # the next section never ends
+
+    monkeypatch.setattr(gpu_check, "run_checks", cut_off)
+    rows_json = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--workdir", str(tmp_path), "--json", str(rows_json)]
+    assert gpu_check.main(argv) == 130
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == [
+        "| check | value | limit | verdict |",
+        "| --- | --- | --- | --- |",
+        "| environment | here |  |  |",
+        "| precision | 1e-4 | 1e-2 | PASS |",
+    ]
+    assert [r["check"] for r in json.loads(rows_json.read_text())] == ["environment", "precision"]
+
+
 def test_cuda_where_there_is_none_is_one_line(capsys):
     import torch
 
