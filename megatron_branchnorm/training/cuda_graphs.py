@@ -96,6 +96,7 @@ import torch
 from torch import nn
 
 from megatron_branchnorm.config import CUDA_GRAPH_MODES
+from megatron_branchnorm.formats.files import one_line
 from megatron_branchnorm.parallel.pipeline import (
     DecoderLayerPipe,
     EncoderLayerPipe,
@@ -104,6 +105,7 @@ from megatron_branchnorm.parallel.pipeline import (
 )
 from megatron_branchnorm.parallel.planner import MAX_GRAPHS
 from megatron_branchnorm.training.graph_capture import capture_factory
+from megatron_branchnorm.training.stopping import TrainError
 
 MODES = CUDA_GRAPH_MODES
 """The values of ``model.cuda_graphs``."""
@@ -113,6 +115,15 @@ WARMUP = 2
 
 GraphFactory = Callable[[nn.Module, tuple, Any], Callable[..., torch.Tensor]]
 """``factory(module, sample_args, pool)`` -> the graphed callable of ``module``."""
+
+
+class GraphCaptureError(TrainError):
+    """A capture the device refused (an operation CUDA does not allow while a stream captures,
+    an invalidated capture): one line on that rank naming the range, the shapes and the way
+    out, ``model.cuda_graphs=off`` (exit 2 through ``trainer.run``; the other ranks report it
+    lost). Not a fall-back to eager: a failed capture can leave the CUDA generator's capture
+    state and the pools half set up, and a run that goes on would not be the run asked for."""
+
 
 _LAYER_TYPES = (EncoderLayerPipe, DecoderLayerPipe)
 _RANGE_TYPES = (EncoderLayerPipe, DecoderLayerPipe, FinalNormPipe)
@@ -385,7 +396,16 @@ class GraphedRange:
         if slot not in self.pools:
             self.pools[slot] = self.new_pool()
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        fn = self.factory(LayerRun(self.layers, as_tuple), sample, self.pools[slot])
+        try:
+            fn = self.factory(LayerRun(self.layers, as_tuple), sample, self.pools[slot])
+        except torch.OutOfMemoryError:
+            raise  # the trainer's one line about the stage's memory plan
+        except RuntimeError as exc:
+            shapes = ", ".join(str(tuple(a.shape)) for a in args)
+            raise GraphCaptureError(
+                f"cuda graphs: {self.name}: the device refused to capture inputs of shapes "
+                f"{shapes} ({one_line(str(exc))[:200]}); train with model.cuda_graphs=off"
+            ) from exc
         graph = state.slots[slot] = _Graph(fn)
         self.captures += 1
         if self.captures == 1:

@@ -287,6 +287,39 @@ def test_past_the_graph_budget_a_shape_runs_eagerly_said_once() -> None:
     assert len(spent) == 2 and all("(3, 5, 32)" in line for line in spent), lines  # per range
 
 
+def test_a_capture_the_device_refuses_is_one_line_naming_the_way_out() -> None:
+    """A capture that raises (CUDA refuses an operation while a stream captures) ends the run
+    with one line naming the range, the shapes, torch's words and model.cuda_graphs=off (a
+    TrainError: exit 2 through trainer.run); out of memory stays the trainer's own error."""
+    from megatron_branchnorm.errors import UserError
+
+    cfg = tiny_config()
+    for raised, caught in (
+        (RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore"),
+         cuda_graphs.GraphCaptureError),
+        (torch.OutOfMemoryError("CUDA out of memory."), torch.OutOfMemoryError),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        stage = _stage(cfg)
+
+        def refuse(module, sample, pool, error=raised):
+            raise error
+
+        _install(stage, refuse)
+        batch = _batch(cfg, 2, 8, 6, 0)
+        for _ in range(cuda_graphs.WARMUP):  # eager: no capture yet
+            _loss_and_grads(stage, stage.forward, batch)
+        with pytest.raises(caught) as info:
+            stage.forward(batch)
+        if caught is cuda_graphs.GraphCaptureError:
+            text = str(info.value)
+            assert isinstance(info.value, UserError) and "\n" not in text
+            assert text.startswith("cuda graphs: layers 1-3 of the stage: the device refused")
+            assert "inputs of shapes (2, 8, 32)" in text
+            assert "operation not permitted when stream is capturing more" in text
+            assert text.endswith("train with model.cuda_graphs=off")
+
+
 def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:
     cfg = tiny_config()
     torch.manual_seed(0)
