@@ -347,6 +347,15 @@ def device_memory_bytes() -> float:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / local_ranks()
 
 
+def peak_reserved_mb() -> float | None:
+    """Peak memory the GPU's caching allocator held for this rank (allocations and the blocks
+    it keeps cut up: what runs out first when fragmentation grows over a long run); None on
+    the CPU, which has no such allocator. Reads the allocator's counters: no device sync."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_reserved() / 2**20
+    return None
+
+
 def peak_memory_mb() -> float:
     """Peak memory of this rank: the GPU's allocations, or the process's resident set."""
     if torch.cuda.is_available():

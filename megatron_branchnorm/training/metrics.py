@@ -27,7 +27,14 @@ from megatron_branchnorm.formats.records import (
     write_row,
 )
 
-TIMING_KEYS = ("tokens_per_sec", "tflops_per_gpu", "memory_mb", "elapsed_s", "eta_s")
+TIMING_KEYS = (
+    "tokens_per_sec",
+    "tflops_per_gpu",
+    "memory_mb",
+    "memory_reserved_mb",
+    "elapsed_s",
+    "eta_s",
+)
 """The keys that depend on the machine and its load, not on what was trained."""
 UNCOMPARED_KEYS = (*TIMING_KEYS, REDONE_KEY)
 """What :func:`first_difference` leaves out: timings, and the reader's mark of a row redone
@@ -147,6 +154,10 @@ def _scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def _reserved(mb: float | None) -> str:
+    return "" if mb is None else f" (reserved {mb:.0f}MB)"
+
+
 def format_eta(seconds: float) -> str:
     """``H:MM:SS``, with days in front past 24 hours (``3d 04:05:06``)."""
     s = max(0, int(round(seconds)))
@@ -170,6 +181,9 @@ class UpdateFigures:
     ids_hash: str
     skipped_steps: int
     memory_mb: float
+    memory_reserved_mb: float | None = None
+    """The caching allocator's peak on a GPU (what an out-of-memory error is about: allocated
+    plus the blocks it keeps cut up); None on the CPU."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +205,7 @@ class TrainingRow:
     ids_hash: str
     skipped_steps: int
     memory_mb: float
+    memory_reserved_mb: float | None
     elapsed_s: float
     eta_s: float
 
@@ -268,6 +283,7 @@ class Progress:
             ids_hash=u.ids_hash,
             skipped_steps=u.skipped_steps,
             memory_mb=u.memory_mb,
+            memory_reserved_mb=u.memory_reserved_mb,
             elapsed_s=elapsed,
             eta_s=self.eta(elapsed, u.step),
         )
@@ -276,7 +292,7 @@ class Progress:
             f"step {row.step} | loss {row.loss:.4f} | nll {row.nll_loss:.4f} | lr {row.lr:.3g} | "
             f"gnorm {row.grad_norm or 0:.3f} | alpha {row.alpha:.4f} | "
             f"tok/s {row.tokens_per_sec:.0f} | TFLOP/s/GPU {row.tflops_per_gpu:.3g} | "
-            f"mem {row.memory_mb:.0f}MB | "
+            f"mem {row.memory_mb:.0f}MB{_reserved(row.memory_reserved_mb)} | "
             f"eta {format_eta(row.eta_s)}"
         )
         self.last_time, self.tokens, self.flops = now, 0, 0.0

@@ -436,6 +436,7 @@ class Trainer:
                 ids_hash=result.ids_hash,
                 skipped_steps=self.skips.skipped_steps,
                 memory_mb=env.peak_memory_mb(),
+                memory_reserved_mb=env.peak_reserved_mb(),
             )
         )
 

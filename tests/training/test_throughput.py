@@ -64,3 +64,25 @@ def test_a_row_gives_model_tflops_per_gpu_since_the_last_row(tmp_path, monkeypat
     now[0] = 103.0
     row = progress.write(UpdateFigures(3, 5.0, 5.0, 1e-3, 1.0, 0.5, 1.0, 8, "h", 0, 1.0))
     assert row.tokens_per_sec == 500.0 and row.tflops_per_gpu == 0.25
+
+
+def test_a_row_gives_the_allocators_reserved_peak_where_there_is_one(tmp_path) -> None:
+    """memory_reserved_mb: the GPU caching allocator's peak beside the allocated one, in the
+    row and the console line (fragmentation that grows over a long run shows there first);
+    null on the CPU, and the console line says nothing of it there."""
+    import json
+
+    log = MetricsLog(tmp_path, is_logger=True)
+    log.tb = False
+    lines = []
+    log.log = lines.append
+    progress = Progress(log, log_interval=1, max_steps=10, max_time_minutes=0)
+    progress.start(0)
+    gpu = UpdateFigures(1, 5.0, 5.0, 1e-3, 1.0, 0.5, 1.0, 8, "h", 0, 9850.0, 11264.0)
+    assert progress.write(gpu).memory_reserved_mb == 11264.0
+    assert "| mem 9850MB (reserved 11264MB) |" in lines[-1]
+    cpu = UpdateFigures(2, 5.0, 5.0, 1e-3, 1.0, 0.5, 1.0, 8, "h", 0, 600.0)
+    assert progress.write(cpu).memory_reserved_mb is None
+    assert "| mem 600MB | eta" in lines[-1]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("memory_reserved_mb", "absent") for r in rows if "loss" in r] == [11264.0, None]
