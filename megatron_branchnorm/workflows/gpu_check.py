@@ -320,6 +320,8 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
         # the steady state, as make gpu-bench takes it: past warm-up, lazy state and compiling
         tps = steady_state([r["tokens_per_sec"] for r in updates])
         mem = max(r["memory_mb"] for r in updates) / 1024
+        held = [r["memory_reserved_mb"] for r in updates if r.get("memory_reserved_mb")]
+        reserved = f", {max(held) / 1024:.2f} GiB reserved" if held else ""  # CUDA only
         # model FLOPs of the real tokens (planner.training_flops), as the rows log them
         achieved = steady_state([r["tflops_per_gpu"] for r in updates]) * 1e12  # FLOP/s
         first = len(updates) // 2 + 1
@@ -329,7 +331,7 @@ def throughput_rows(device: str, work: Path, steps: int) -> list[Row]:
                 f"{achieved / 1e12:.2f} TFLOP/s = {achieved / (peak * 1e9):.1%} of the bf16 "
                 "matmul peak"),
             Row(f"train.py peak memory, {name}",
-                f"{mem:.2f} GiB (planner: {plan.peak() / 2**30:.2f} GiB)"),
+                f"{mem:.2f} GiB{reserved} (planner: {plan.peak() / 2**30:.2f} GiB)"),
         ]  # fmt: skip
     return rows
 
