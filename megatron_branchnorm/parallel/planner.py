@@ -124,7 +124,7 @@ RECOMPUTE_HOST_FACTOR = 1.5
 """What eager recompute (``torch.utils.checkpoint`` of every layer) multiplies a layer's host
 time by, measured on the development CPU where the kernels cost nothing: the layers alone
 2.14x (``tools/_bench_micro.py --recompute-ab``: 1.36 -> 2.91 ms per encoder + decoder pair,
-twice, fastest calls), and the whole trainer 1.3-2.0x per layer pair over four runs of
+fastest calls, two runs), and the whole trainer 1.3-2.0x per layer pair over four runs of
 ``gpu_bench.py --device cpu --systems train.py --tokens 64 --layers 1|12`` at interval 0 and 1
 (their wall times move with the machine's load). Recompute repeats a layer's forward and its
 checkpoint bookkeeping, not the gradients' hand-over: 1 + 1.55 ms over the trainer's ~2.95 ms
@@ -331,6 +331,8 @@ class StagePlan:
     flops: float = 0.0
     """Matmul FLOPs of one micro-batch's forward and backward on the stage, recompute left out
     (:func:`matmul_flops` of its layers, and the output projection on the last stage)."""
+    recompute_flops: float = 0.0
+    """What recompute adds: the forward of its layers (a third of theirs; not the output's)."""
 
     def total(self, checkpointing: bool, overhead: float) -> float:
         """Peak estimate with or without activation checkpointing."""
@@ -485,7 +487,8 @@ class RunPlan:
 
     def stage_time(self, stage: StagePlan) -> StageTime:
         """One micro-batch's forward and backward on ``stage`` as this plan runs it: the
-        matmuls at :attr:`tflops` (a third more where the stage recomputes) and the host's
+        matmuls at :attr:`tflops` (and the layers' forward again where the stage recomputes)
+        and the host's
         launches, :data:`EAGER_HOST_S` per eager layer (x :data:`RECOMPUTE_HOST_FACTOR`
         recomputing) or :data:`GRAPHED_HOST_S_PER_TENSOR` per parameter tensor of a layer a
         graph replays. With graphs (``graph_shapes`` set) the share of micro-batches they cover
@@ -493,7 +496,7 @@ class RunPlan:
         return self._stage_time(stage, self.stage_checkpoints(stage), self.tflops)
 
     def _stage_time(self, stage: StagePlan, recompute: bool, tflops: float) -> StageTime:
-        gpu = stage.flops * (4.0 / 3.0 if recompute else 1.0) / (tflops * 1e12)
+        gpu = (stage.flops + (stage.recompute_flops if recompute else 0.0)) / (tflops * 1e12)
         layers = {"enc": stage.encoder_layers, "dec": stage.decoder_layers}
         eager = sum(n * EAGER_HOST_S[k] for k, n in layers.items())
         eager *= RECOMPUTE_HOST_FACTOR if recompute else 1.0
@@ -681,6 +684,11 @@ def plan_run(
         # "with checkpointing" for a config that has none is reported at interval 1
         every = interval if isinstance(interval, int) and interval > 0 else 1
         _, with_ckpt = _activation_bytes(m, enc, dec, tokens, prec.activation, every)
+        sentences = tokens / MEAN_SENTENCE_TOKENS
+        d, f = m.hidden_size, m.ffn_hidden_size
+        layer_flops = matmul_flops(enc, dec, d, f, 0, tokens, tokens, sentences)
+        output_flops = matmul_flops(0, 0, d, f, vocab, tokens, tokens, sentences)
+        output_flops *= "output" in kinds
         graph_bytes, graph_grads, ranges = _graph_set(
             m, kinds, [params[i] for i in chunk], tokens, prec
         )
@@ -706,16 +714,8 @@ def plan_run(
                 graph_set_bytes=graph_bytes,
                 graph_grad_bytes=graph_grads,
                 layer_ranges=ranges,
-                flops=matmul_flops(
-                    enc,
-                    dec,
-                    m.hidden_size,
-                    m.ffn_hidden_size,
-                    vocab if "output" in kinds else 0,
-                    tokens,
-                    tokens,
-                    tokens / MEAN_SENTENCE_TOKENS,
-                ),
+                flops=layer_flops + output_flops,
+                recompute_flops=layer_flops / 3.0,
             )
         )
     return RunPlan(

@@ -402,6 +402,11 @@ def test_param_tensors_and_stage_flops_are_the_models() -> None:
         whole = training_flops(plan.model, n, n, n / MEAN_SENTENCE_TOKENS)
         assert sum(s.flops for s in plan.stage_plans) == pytest.approx(whole, rel=1e-12)
         assert plan.flops_per_update == pytest.approx(whole * plan.micro_batches * plan.dp)
+        # recompute repeats the layers' forward, not the output projection of the last stage
+        last = plan.stage_plans[-1]
+        output = training_flops(dataclasses.replace(plan.model, encoder_layers=0, decoder_layers=0),
+                                n, n, n / MEAN_SENTENCE_TOKENS)  # fmt: skip
+        assert last.recompute_flops == pytest.approx((last.flops - output) / 3)
 
 
 def test_update_time_is_paced_by_the_slowest_stage() -> None:
@@ -434,8 +439,9 @@ def test_update_time_is_paced_by_the_slowest_stage() -> None:
     for s, x in zip(eager.stage_plans, times, strict=True):
         assert x.seconds == max(x.gpu, x.host) and x.host > x.gpu  # eager: host-bound
         plain = dataclasses.replace(eager, checkpoint_interval=0).stage_time(s)
-        if eager.stage_checkpoints(s):  # stages 0-9 on 40 GB recompute
-            assert x.gpu == pytest.approx(plain.gpu * 4 / 3)
+        if eager.stage_checkpoints(s):  # stages 0-9 on 40 GB recompute: their layers' forward
+            assert x.gpu == pytest.approx(plain.gpu + s.recompute_flops / (eager.tflops * 1e12))
+            assert s.recompute_flops == pytest.approx(s.flops / 3)  # no output projection here
             assert x.host == pytest.approx(plain.host * RECOMPUTE_HOST_FACTOR)
         else:
             assert x == plain
