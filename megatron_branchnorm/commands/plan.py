@@ -12,7 +12,9 @@ the config's ``train.micro_batches x pipeline.data_parallel``, or a resumed run'
 again with the memory its devices report). The sbatch launchers call it this way before starting
 the ranks. ``--stages N`` plans the trainer's run with ``pipeline.stages=N`` and ``--stages auto``
 the fewest stages that fit, both keeping the same global batch; ``--micro-batches`` sets the
-micro-batches per replica instead.
+micro-batches per replica instead. With ``--stages auto`` a table below the plan lists every
+layout tried, with its peak and its time per update eagerly and with CUDA graphs, and the
+fastest that fits each way (which need not be the fewest stages).
 
 Prints per stage: parameters, weights + gradients, ZeRO-1 optimizer state, activation memory
 with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fits, and a line
@@ -40,8 +42,9 @@ from megatron_branchnorm.parallel.planner import (
     DEFAULT_TFLOPS,
     DEFAULT_VOCAB,
     PlanError,
-    auto_stages,
+    format_layouts,
     format_plan,
+    layout_plans,
     parse_memory,
     plan_run,
 )
@@ -146,15 +149,23 @@ def _plan(argv: list[str] | None) -> int:
             device = Device(args.gpu_memory, args.overhead)
             layout = choose_layout(cfg, args.gpus, device, saved)
             cfg, note = layout.apply(cfg), layout.note
-    if args.stages == "auto":
-        plan = auto_stages(cfg, args.gpus, args.gpu_memory, per_update, **kwargs)
-    else:
-        plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
     shapes = max_shapes_of(cfg.data.bucket_shapes)  # what graphs would capture: their time
-    plan = dataclasses.replace(plan, bucket_shapes=shapes)
-    if cfg.model.cuda_graphs != "off":  # the graphs' static buffers, per stage
-        plan = dataclasses.replace(plan, graph_shapes=shapes)
-    write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n")
+
+    def graphs(plan):
+        plan = dataclasses.replace(plan, bucket_shapes=shapes)
+        if cfg.model.cuda_graphs != "off":  # the graphs' static buffers, per stage
+            plan = dataclasses.replace(plan, graph_shapes=shapes)
+        return plan
+
+    layouts = ""
+    if args.stages == "auto":  # the fewest stages that fit (planner.auto_stages), and the rest
+        plans = [graphs(p) for p in layout_plans(cfg, args.gpus, args.gpu_memory, per_update,
+                                                 **kwargs)]  # fmt: skip
+        plan = next((p for p in plans if p.fits()), plans[-1])
+        layouts = "\n" + format_layouts(plans, plan) + "\n"
+    else:
+        plan = graphs(plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs))
+    write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n" + layouts)
     return 0 if plan.fits() else 1
 
 

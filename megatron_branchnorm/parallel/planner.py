@@ -793,24 +793,72 @@ def auto_stages(
     the largest stage count if none does. With ``per_update`` (the global batch in
     micro-batches, training/layout.global_batch) only the stage counts whose data-parallel
     size divides it are tried, each replica taking its share; ConfigError when none can."""
+    plans = layout_plans(cfg, gpus, gpu_memory, per_update, **kwargs)
+    return next((p for p in plans if p.fits()), plans[-1])
+
+
+def layout_plans(
+    cfg: ExperimentConfig,
+    gpus: int,
+    gpu_memory: float,
+    per_update: int | None = None,
+    **kwargs,
+) -> list[RunPlan]:
+    """A plan per stage count :func:`auto_stages` may take, fewest stages first (with
+    ``per_update``, each replica taking its share of it); ConfigError when there is none."""
     _check_count(gpus, "--gpus")
-    last = None
+    plans = []
     for p in stage_counts(cfg, gpus):
         if per_update is not None:
             if per_update % (gpus // p):
                 continue
             kwargs["micro_batches"] = per_update // (gpus // p)
-        last = plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs)
-        if last.fits():
-            return last
-    if last is None and per_update is not None:
+        plans.append(plan_run(cfg, gpus, gpu_memory, stages=p, **kwargs))
+    if not plans and per_update is not None:
         raise ConfigError(
             f"--stages auto: no stage count that divides {gpus} GPUs has a data-parallel size "
             f"that divides the {per_update} micro-batches per update to keep (training/layout.py)"
         )
-    if last is None:
+    if not plans:
         raise ConfigError(f"no stage count divides {gpus} GPUs")
-    return last
+    return plans
+
+
+def format_layouts(plans: list[RunPlan], chosen: RunPlan) -> str:
+    """The layouts :func:`layout_plans` tried, with whether each fits and its time per update
+    eagerly and with CUDA graphs (:attr:`RunPlan.seconds_per_update`), and the fastest that
+    fits each way: ``--stages auto`` takes the fewest stages that fit (the smallest bubble),
+    which is not always the fastest (a deep stage's graphs may find no room, and eager host
+    work is split between the stages of a pipeline)."""
+    lines = [
+        f"layouts of {chosen.gpus} GPUs (--stages auto takes the fewest stages that fit; time "
+        "per update as above):",
+        "",
+        "| stages x data-parallel | micro-batches per replica | peak per GPU GB | eager s per "
+        "update | CUDA graphs s per update |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    fastest: dict[str, tuple[float, RunPlan]] = {}
+    for plan in plans:
+        eager, graphed = dataclasses.replace(plan, graph_shapes=0), plan.graphed()
+        times = {"eager": eager.seconds_per_update}
+        if graphed is not None:
+            times["with CUDA graphs"] = graphed.seconds_per_update
+        if plan.fits():
+            for way, t in times.items():
+                if way not in fastest or t < fastest[way][0]:
+                    fastest[way] = (t, plan)
+        fit = _gb(plan.peak()) + ("" if plan.fits() else " (does not fit)")
+        mark = " (taken)" if plan is chosen else ""
+        graph_cell = f"{times['with CUDA graphs']:.3g}" if graphed is not None else "-"
+        lines.append(
+            f"| {plan.stages} x {plan.dp}{mark} | {plan.micro_batches} | {fit} | "
+            f"{times['eager']:.3g} | {graph_cell} |"
+        )
+    if fastest:
+        best = [f"{way} {p.stages} x {p.dp} (~{t:.3g} s)" for way, (t, p) in fastest.items()]
+        lines += ["", "the fastest that fits: " + "; ".join(best)]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------

@@ -516,3 +516,35 @@ def test_a_stage_recomputes_for_its_graphs_only_where_that_is_faster() -> None:
     assert [fast.stage_checkpoints(s) for s in fast.stage_plans] == [
         graphed.stage_checkpoints(s) for s in graphed.stage_plans
     ]
+
+
+def test_stages_auto_shows_every_layout_with_its_time(capsys, tmp_path) -> None:
+    """plan_memory --stages auto takes the fewest stages that fit (planner.auto_stages) and
+    lists every layout it tried with its peak and its time per update, eagerly and with CUDA
+    graphs, and the fastest that fits each way. On 32 x 40 GB opus100_1000L that is not the
+    one taken: 2 x 16 fits, but a stage of 500 layers recomputing has no room for its graphs'
+    pool, where 4 x 8 graphs every micro-batch."""
+    from megatron_branchnorm.commands import plan as plan_command
+    from megatron_branchnorm.parallel.planner import layout_plans
+
+    argv = ["--config", "opus100_1000L", "--gpus", "32", "--gpu-memory", "40GB",
+            "--stages", "auto", f"train.save_dir={tmp_path}"]  # fmt: skip
+    assert plan_command.main(argv) == 0
+    out = capsys.readouterr().out
+    cfg = load_config("opus100_1000L", [f"train.save_dir={tmp_path}"])
+    plans = layout_plans(cfg, 32, 40 * GB, per_update=128)
+    assert [(p.stages, p.dp) for p in plans] == [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2),
+                                                 (32, 1)]  # fmt: skip
+    taken = auto_stages(cfg, 32, 40 * GB, 128)
+    assert (taken.stages, taken.dp) == (2, 16) and "| 2 x 16 (taken) | 8 | 24.92 |" in out
+    assert "| 1 x 32 | 4 | 40.02 (does not fit) |" in out
+    fits = [dataclasses.replace(p, bucket_shapes=48) for p in plans if p.fits()]
+    eager = min(fits, key=lambda p: p.seconds_per_update)
+    graphed = min(fits, key=lambda p: p.graphed().seconds_per_update)
+    assert (graphed.stages, graphed.dp) == (4, 8)
+    assert graphed.graphed().seconds_per_update < taken.seconds_per_update / 4
+    assert (
+        f"the fastest that fits: eager {eager.stages} x {eager.dp} "
+        f"(~{eager.seconds_per_update:.3g} s); with CUDA graphs 4 x 8 "
+        f"(~{graphed.graphed().seconds_per_update:.3g} s)"
+    ) in out
