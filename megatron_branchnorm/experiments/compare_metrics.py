@@ -1,5 +1,6 @@
 """Whether two training runs recorded the same thing: their metrics.jsonl row by row, exactly,
-leaving out the timing keys (tokens_per_sec, tflops_per_gpu, memory_mb, elapsed_s, eta_s).
+leaving out the timing keys (tokens_per_sec, tflops_per_gpu, memory_mb, memory_reserved_mb,
+elapsed_s, eta_s).
 
     python tools/compare_metrics.py RUN_A RUN_B     # exit 0 same, 1 different, 2 unreadable
 
