@@ -42,6 +42,7 @@ from megatron_branchnorm.parallel.planner import (
     DEFAULT_TFLOPS,
     DEFAULT_VOCAB,
     PlanError,
+    first_fitting,
     format_layouts,
     format_plan,
     layout_plans,
@@ -149,22 +150,18 @@ def _plan(argv: list[str] | None) -> int:
             device = Device(args.gpu_memory, args.overhead)
             layout = choose_layout(cfg, args.gpus, device, saved)
             cfg, note = layout.apply(cfg), layout.note
-    shapes = max_shapes_of(cfg.data.bucket_shapes)  # what graphs would capture: their time
-
-    def graphs(plan):
-        plan = dataclasses.replace(plan, bucket_shapes=shapes)
-        if cfg.model.cuda_graphs != "off":  # the graphs' static buffers, per stage
-            plan = dataclasses.replace(plan, graph_shapes=shapes)
-        return plan
-
+    # the bucket shapes graphs would capture (their time), and their static buffers per stage
+    # where the config turns the graphs on
+    shapes, graphs = max_shapes_of(cfg.data.bucket_shapes), cfg.model.cuda_graphs != "off"
     layouts = ""
     if args.stages == "auto":  # the fewest stages that fit (planner.auto_stages), and the rest
-        plans = [graphs(p) for p in layout_plans(cfg, args.gpus, args.gpu_memory, per_update,
-                                                 **kwargs)]  # fmt: skip
-        plan = next((p for p in plans if p.fits()), plans[-1])
+        plans = layout_plans(cfg, args.gpus, args.gpu_memory, per_update, **kwargs)
+        plans = [p.with_shapes(shapes, graphs) for p in plans]
+        plan = first_fitting(plans)
         layouts = "\n" + format_layouts(plans, plan) + "\n"
     else:
-        plan = graphs(plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs))
+        plan = plan_run(cfg, args.gpus, args.gpu_memory, stages=args.stages, **kwargs)
+        plan = plan.with_shapes(shapes, graphs)
     write_stdout((f"layout: {note}\n" if note else "") + format_plan(plan) + "\n" + layouts)
     return 0 if plan.fits() else 1
 

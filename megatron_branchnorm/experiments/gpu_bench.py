@@ -339,8 +339,8 @@ def run_train_py(
     memory = torch.cuda.mem_get_info()[1] if device == "cuda" else 24 * 2**30
     plan = plan_run(cfg, 1, float(memory), stages=1)
     planned = plan.peak()
-    if cfg.model.cuda_graphs != "off":  # the planner's time with the graphs of every shape
-        plan = dataclasses.replace(plan, graph_shapes=max_shapes_of(cfg.data.bucket_shapes))
+    # the planner's time, with the graphs of every shape for train.py+graphs
+    plan = plan.with_shapes(max_shapes_of(cfg.data.bucket_shapes), cfg.model.cuda_graphs != "off")
     _reset_memory(device)
     clock, flops, tokens_done, prof, data_s = Clock(device), [], [], {}, []
     with _one_rank():
@@ -393,7 +393,7 @@ def run_train_py(
         peak_reserved=reserved,
         planned_memory=planned,
         planned_ms=plan.seconds_per_update * 1e3,
-        planned_flops=plan.stage_time(plan.stage_plans[0]).gpu * plan.tflops * 1e12,
+        planned_flops=plan.stage_flops(plan.stage_plans[0]),
         layers=shape.layers,
         data_ms=steady_state(data_s[:updates]) * 1e3,
     )

@@ -495,8 +495,17 @@ class RunPlan:
         (:meth:`graph_sets`) replays and the rest runs eagerly, each at its own pace."""
         return self._stage_time(stage, self.stage_checkpoints(stage), self.tflops)
 
+    def stage_flops(self, stage: StagePlan) -> float:
+        """The matmul FLOPs ``stage``'s GPU runs per micro-batch as this plan runs it: its
+        forward and backward, and its layers' forward again where it recomputes."""
+        return self._stage_flops(stage, self.stage_checkpoints(stage))
+
+    @staticmethod
+    def _stage_flops(stage: StagePlan, recompute: bool) -> float:
+        return stage.flops + (stage.recompute_flops if recompute else 0.0)
+
     def _stage_time(self, stage: StagePlan, recompute: bool, tflops: float) -> StageTime:
-        gpu = (stage.flops + (stage.recompute_flops if recompute else 0.0)) / (tflops * 1e12)
+        gpu = self._stage_flops(stage, recompute) / (tflops * 1e12)
         layers = {"enc": stage.encoder_layers, "dec": stage.decoder_layers}
         eager = sum(n * EAGER_HOST_S[k] for k, n in layers.items())
         eager *= RECOMPUTE_HOST_FACTOR if recompute else 1.0
@@ -515,6 +524,11 @@ class RunPlan:
         and the sends between stages."""
         times = [self.stage_time(s).seconds for s in self.stage_plans]
         return sum(times) + (self.micro_batches - 1) * max(times)
+
+    def with_shapes(self, shapes: int, graphs: bool) -> RunPlan:
+        """This plan for data of up to ``shapes`` bucket shapes (``data.bucket_shapes``), whose
+        stages capture CUDA graphs of them where ``graphs`` (``model.cuda_graphs`` not off)."""
+        return dataclasses.replace(self, bucket_shapes=shapes, graph_shapes=shapes if graphs else 0)
 
     def graphed(self) -> RunPlan | None:
         """This plan with CUDA graphs of every bucket shape (``model.cuda_graphs=on``; under
@@ -793,7 +807,11 @@ def auto_stages(
     the largest stage count if none does. With ``per_update`` (the global batch in
     micro-batches, training/layout.global_batch) only the stage counts whose data-parallel
     size divides it are tried, each replica taking its share; ConfigError when none can."""
-    plans = layout_plans(cfg, gpus, gpu_memory, per_update, **kwargs)
+    return first_fitting(layout_plans(cfg, gpus, gpu_memory, per_update, **kwargs))
+
+
+def first_fitting(plans: list[RunPlan]) -> RunPlan:
+    """The first of ``plans`` (fewest stages first) that fits, or the last when none does."""
     return next((p for p in plans if p.fits()), plans[-1])
 
 
