@@ -44,6 +44,7 @@ eagerly and with graphs, and what ``train.max_steps`` updates take.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -328,6 +329,9 @@ class StagePlan:
     """The shared parameter-gradient buffers of the stage's graphs (its graphed weights)."""
     layer_ranges: int = 0
     """Runs of encoder/decoder layers (with their final norms) a graph set captures."""
+    graph_links: tuple[tuple[int, float, float], ...] = ()
+    """Per layer range: (its layers, one micro-batch's activations of one of them, the static
+    bytes each further link adds where a recomputing stage cuts the range into links)."""
     flops: float = 0.0
     """Matmul FLOPs of one micro-batch's forward and backward on the stage, recompute left out
     (:func:`matmul_flops` of its layers, and the output projection on the last stage)."""
@@ -435,17 +439,34 @@ class RunPlan:
         """Bytes ``stage``'s CUDA graphs may keep in static buffers: one GPU less the stage's
         planned peak as configured, less what the graphs' memory pools hold apart from the
         eager allocator's: a second copy of the in-flight activations, or on a stage that
-        recomputes, one micro-batch's activations of all its layers (training/cuda_graphs.py,
-        "Recompute")."""
-        return self._allowance(stage, self.stage_checkpoints(stage))
+        recomputes, one micro-batch's activations of its largest link (training/cuda_graphs.py,
+        "Recompute" and "Links"; :meth:`link_layers`)."""
+        recompute = self.stage_checkpoints(stage)
+        return self._allowance(stage, recompute, self.link_layers(stage) if recompute else 0)
 
-    def _allowance(self, stage: StagePlan, recompute: bool) -> float:
+    def _allowance(self, stage: StagePlan, recompute: bool, link_layers: int = 0) -> float:
         if recompute:
-            pools = stage.act_no_ckpt / max(stage.in_flight, 1)
-            free = self.gpu_memory - stage.total(True, self.overhead) - pools
+            pool = self._pool(stage, link_layers)
+            free = self.gpu_memory - stage.total(True, self.overhead) - pool
         else:
             free = self.gpu_memory - stage.total(False, self.overhead) - stage.act_no_ckpt
         return max(0.0, free)
+
+    @staticmethod
+    def _pool(stage: StagePlan, link_layers: int) -> float:
+        """What a recomputing stage's one graph pool holds: one micro-batch's activations of
+        its largest link (links of at most ``link_layers`` layers, as even as they go; 0: a
+        whole range), which only lives from its recompute to its backward."""
+        return max(
+            (math.ceil(n / _link_count(n, link_layers)) * act for n, act, _ in stage.graph_links),
+            default=stage.act_no_ckpt / max(stage.in_flight, 1),
+        )
+
+    def set_bytes(self, stage: StagePlan, link_layers: int) -> float:
+        """Static bytes of one graph set whose ranges are cut into links of at most
+        ``link_layers`` layers (0: one link a range)."""
+        more = sum((_link_count(n, link_layers) - 1) * b for n, _, b in stage.graph_links)
+        return stage.graph_set_bytes + more
 
     def graph_sets(self, stage: StagePlan) -> tuple[int, int]:
         """(graph sets ``stage`` needs: every bucket shape times every micro-batch in flight,
@@ -454,13 +475,40 @@ class RunPlan:
         return self._graph_sets(stage, self.stage_checkpoints(stage))
 
     def _graph_sets(self, stage: StagePlan, recompute: bool) -> tuple[int, int]:
+        if recompute:
+            return self._links(stage)[1]
+        return self._sets(stage, False, 0)
+
+    def _sets(self, stage: StagePlan, recompute: bool, link_layers: int) -> tuple[int, int]:
         slots = 1 if recompute else stage.in_flight
         wanted = self.graph_shapes * slots
         if not stage.graph_set_bytes or not stage.layer_ranges:
             return wanted, 0
-        room = self._allowance(stage, recompute) - stage.graph_grad_bytes
-        fit = int(max(room, 0.0) // stage.graph_set_bytes)
+        room = self._allowance(stage, recompute, link_layers) - stage.graph_grad_bytes
+        fit = int(max(room, 0.0) // self.set_bytes(stage, link_layers))
         return wanted, min(fit, MAX_GRAPHS // stage.layer_ranges, wanted)
+
+    def link_layers(self, stage: StagePlan) -> int:
+        """Layers per link of ``stage``'s graphs (docs/design.md §19, "Links"): 0 (one link a
+        range) unless the stage recomputes and its graphs cover more shapes cut shorter."""
+        return self._links(stage)[0] if self.stage_checkpoints(stage) else 0
+
+    def _links(self, stage: StagePlan) -> tuple[int, tuple[int, int]]:
+        """(layers per link, its graph sets) of a recomputing ``stage``: the cut whose graphs
+        cover the most shapes, the fewest links on a tie. Shorter links need a smaller pool
+        (one link's activations) and more static buffers (each link's output and input
+        gradients, per shape)."""
+        longest = max((n for n, _, _ in stage.graph_links), default=0)
+        best = (0, self._sets(stage, True, 0))
+        for layers in _link_lengths(stage):
+            if layers >= longest:
+                continue  # one link a range: tried first
+            sets = self._sets(stage, True, layers)
+            if sets[1] > best[1][1]:
+                best = (layers, sets)
+            if best[1][1] >= best[1][0]:
+                break  # every shape fits: shorter links only add links
+        return best
 
     @property
     def tokens_per_update(self) -> int:
@@ -551,6 +599,23 @@ class StageTime:
     ahead of the GPU as long as nothing syncs: one host sync per update)."""
 
 
+def _link_count(layers: int, link_layers: int) -> int:
+    """Links a range of ``layers`` layers is cut into, at most ``link_layers`` each (0: one);
+    training/cuda_graphs.link_parts cuts it so."""
+    return max(1, math.ceil(layers / link_layers)) if link_layers > 0 else 1
+
+
+def _link_lengths(stage: StagePlan) -> list[int]:
+    """The link lengths worth trying on ``stage``, longest first: each ceil(n / k) of a range
+    of n layers cut into k links."""
+    return _lengths(tuple(n for n, _, _ in stage.graph_links))
+
+
+@functools.cache
+def _lengths(ranges: tuple[int, ...]) -> list[int]:
+    return sorted({math.ceil(n / k) for n in ranges for k in range(1, n + 1)}, reverse=True)
+
+
 def _covered(sets: tuple[int, int]) -> float:
     """The share of a stage's (shape, micro-batch) pairs its graphs replay: fit / wanted."""
     wanted, fit = sets
@@ -619,27 +684,36 @@ def _activation_bytes(
 
 
 def _graph_set(
-    m: ModelConfig, kinds: list[str], params: list[int], tokens: int, prec: Precision
-) -> tuple[float, float, int]:
-    """(static bytes of one graph set, shared gradient bytes, layer ranges) of a stage whose
-    entries are ``kinds`` with ``params`` each: per range its hidden states in, out and both
-    gradients, the decoder's encoder output in and its gradient, the int64 token ids passed
-    along; once, its parameters' gradient buffers (in the weights' dtype, as
-    ``torch.autograd.grad`` returns them)."""
+    m: ModelConfig,
+    kinds: list[str],
+    params: list[int],
+    tokens: int,
+    prec: Precision,
+    layer_act: dict[str, float],
+) -> tuple[float, float, tuple[tuple[int, float, float], ...]]:
+    """(static bytes of one graph set, shared gradient bytes, per layer range
+    :attr:`StagePlan.graph_links`) of a stage whose entries are ``kinds`` with ``params`` each:
+    per range its hidden states in, out and both gradients, the decoder's encoder output in
+    and its gradient, the int64 token ids passed along, and for each further link its output
+    and its input gradients (training/cuda_graphs.static_bytes); once, its parameters' gradient
+    buffers (in the weights' dtype, as ``torch.autograd.grad`` returns them). ``layer_act``:
+    one micro-batch's activations of an "enc" and of a "dec" layer."""
     hidden = tokens * m.hidden_size * prec.activation
-    total, grads, ranges, run = 0.0, 0.0, 0, []
+    total, grads, ranges, run = 0.0, 0.0, [], []
     for kind, n in [*zip(kinds, params, strict=True), ("", 0)]:
         if kind in GRAPHED_KINDS:
             run.append((kind, n))
             continue
-        if any(k in ("enc", "dec") for k, _ in run):
-            ranges += 1
+        layers = sum(k in ("enc", "dec") for k, _ in run)
+        if layers:
             decoder = any(k == "dec" for k, _ in run)  # (x, memory, src) in; else (x, src, prev)
             grads += sum(n for _, n in run) * prec.weights
             total += 4 * hidden
             total += 2 * hidden + tokens * 8 if decoder else 2 * tokens * 8
+            per_link = (3 if decoder else 2) * hidden
+            ranges.append((layers, layer_act["dec" if decoder else "enc"], per_link))
         run = []
-    return total, grads, ranges
+    return total, grads, tuple(ranges)
 
 
 def plan_run(
@@ -703,8 +777,12 @@ def plan_run(
         layer_flops = matmul_flops(enc, dec, d, f, 0, tokens, tokens, sentences)
         output_flops = matmul_flops(0, 0, d, f, vocab, tokens, tokens, sentences)
         output_flops *= "output" in kinds
+        layer_act = {  # one micro-batch's activations of one layer
+            k: _activation_bytes(m, k == "enc", k == "dec", tokens, prec.activation, 0)[0]
+            for k in ("enc", "dec")
+        }
         graph_bytes, graph_grads, ranges = _graph_set(
-            m, kinds, [params[i] for i in chunk], tokens, prec
+            m, kinds, [params[i] for i in chunk], tokens, prec, layer_act
         )
         loss = 0.0
         if "output" in kinds:  # logits and their gradient (act dtype), one fp32 chunk
@@ -727,7 +805,8 @@ def plan_run(
                 loss_workspace=loss,
                 graph_set_bytes=graph_bytes,
                 graph_grad_bytes=graph_grads,
-                layer_ranges=ranges,
+                layer_ranges=len(ranges),
+                graph_links=ranges,
                 flops=layer_flops + output_flops,
                 recompute_flops=layer_flops / 3.0,
             )
@@ -786,6 +865,16 @@ def graph_allowance(
     run needs."""
     plan = stage_plan(cfg, world, device_memory, graph_shapes)
     return plan.graph_allowance(plan.stage_plans[stage])
+
+
+def graph_link_layers(
+    cfg: ExperimentConfig, world: int, stage: int, device_memory: float, graph_shapes: int
+) -> int:
+    """Layers per link of ``stage``'s CUDA graphs (:meth:`RunPlan.link_layers`; 0: one link a
+    layer range) in the plan :func:`graph_allowance` gives: training/cuda_graphs.install's
+    ``link_layers``."""
+    plan = stage_plan(cfg, world, device_memory, graph_shapes)
+    return plan.link_layers(plan.stage_plans[stage])
 
 
 def stage_counts(cfg: ExperimentConfig, gpus: int) -> list[int]:
@@ -1015,8 +1104,10 @@ def _format_graphs(plan: RunPlan) -> list[str]:
     lines = [
         f"CUDA graphs (model.cuda_graphs on, up to {plan.graph_shapes} bucket shapes; "
         "training/cuda_graphs.py): a graph set is every layer range of a stage for one shape "
-        "and one micro-batch in flight (one per shape on a stage that recomputes), all sharing "
-        "the stage's gradient buffers; sets that do not fit run eagerly",
+        "and one micro-batch in flight (one per shape on a stage that recomputes, whose graphs "
+        "share one memory pool and may be cut into links, each recomputed in turn, so that the "
+        "pool holds one link's activations), all sharing the stage's gradient buffers; sets "
+        "that do not fit run eagerly",
         "",
         "| stage | graphs per shape | graph set GB | shared gradients GB | allowance GB "
         "| sets wanted | sets that fit |",
@@ -1027,11 +1118,14 @@ def _format_graphs(plan: RunPlan) -> list[str]:
             lines.append(f"| {s.stage} | no layers | - | - | - | - | - |")
             continue
         wanted, fit = plan.graph_sets(s)
-        per = f"{s.in_flight} (in flight)"
+        per, links = f"{s.in_flight} (in flight)", 0
         if plan.stage_checkpoints(s):
-            per = "1 (recomputes for them)" if plan.recomputes_for_graphs(s) else "1 (recomputes)"
+            per = "1 (recomputes for them" if plan.recomputes_for_graphs(s) else "1 (recomputes"
+            links = plan.link_layers(s)
+            per += f"; links of {links} layers)" if links else ")"
         lines.append(
-            f"| {s.stage} | {per} | {s.graph_set_bytes / GB:.3f} | {_gb(s.graph_grad_bytes)} | "
+            f"| {s.stage} | {per} | {plan.set_bytes(s, links) / GB:.3f} | "
+            f"{_gb(s.graph_grad_bytes)} | "
             f"{_gb(plan.graph_allowance(s))} | {wanted} | {fit} |"
         )
     return lines

@@ -86,6 +86,7 @@ without ``torch.cuda.graph(pool=, capture_error_mode=)``, ``data.bucket_shapes=0
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -104,7 +105,7 @@ from megatron_branchnorm.parallel.pipeline import (
     StageBias,
 )
 from megatron_branchnorm.parallel.planner import MAX_GRAPHS
-from megatron_branchnorm.training.graph_capture import capture_factory
+from megatron_branchnorm.training.graph_capture import Links, capture_factory
 from megatron_branchnorm.training.stopping import TrainError
 
 MODES = CUDA_GRAPH_MODES
@@ -181,12 +182,15 @@ class LayerRun(nn.Module):
         return h[0] if isinstance(h, tuple) else h
 
 
-def static_bytes(args: Sequence[torch.Tensor]) -> int:
+def static_bytes(args: Sequence[torch.Tensor], links: int = 1) -> int:
     """Bytes a graph captured on ``args`` keeps alive between replays: each static input and
     the gradient of each that requires one, the output (the hidden states' shape) and its
-    gradient (module docstring, "Memory")."""
+    gradient (module docstring, "Memory"); cut into ``links`` (module docstring, "Links"),
+    each further link's output and its input gradients (its inputs are the previous link's
+    output and the first link's others, its output gradient the first link's)."""
     held = sum(a.nbytes * (2 if a.requires_grad else 1) for a in args)
-    return held + 2 * args[0].nbytes
+    per_link = 2 * args[0].nbytes + sum(a.nbytes for a in args[1:] if a.requires_grad)
+    return held + 2 * args[0].nbytes + (links - 1) * per_link
 
 
 def grad_buffer_bytes(layers: Sequence[nn.Module]) -> int:
@@ -256,6 +260,26 @@ def _chunk_function(chunk: Sequence[nn.Module]) -> Callable[..., Any]:
     return run
 
 
+def link_parts(layers: Sequence[nn.Module], layers_per_link: int) -> list[list[nn.Module]]:
+    """``layers`` (a range) cut into the fewest links of at most ``layers_per_link`` encoder or
+    decoder layers each (0: one link), as even as they go; a final norm stays with the layer
+    before it."""
+    count = sum(map(_is_layer, layers))
+    links = math.ceil(count / layers_per_link) if layers_per_link > 0 else 1
+    links = max(1, min(links, count))
+    sizes = [count // links + (i < count % links) for i in range(links)]
+    parts: list[list[nn.Module]] = [[]]
+    for f in layers:
+        if isinstance(f, _LAYER_TYPES) and sum(map(_is_layer, parts[-1])) == sizes[len(parts) - 1]:
+            parts.append([])
+        parts[-1].append(f)
+    return parts
+
+
+def _is_layer(f: nn.Module) -> bool:
+    return isinstance(f, _LAYER_TYPES)
+
+
 def _returns_tuple(layers: Sequence[nn.Module], as_tuple: bool) -> bool:
     """Whether ``layers`` called on a tuple (``as_tuple``) return one: all do but the model's
     last decoder layer (pipeline.DecoderLayerPipe.is_last), after which only a final norm may
@@ -292,10 +316,15 @@ class GraphedRange:
         warmup: int = WARMUP,
         budget: GraphBudget | None = None,
         recompute: Recompute | None = None,
+        link_layers: int = 0,
     ) -> None:
         self.layers = list(layers)
         self.recompute = recompute
         """Set on a stage that checkpoints: eager calls checkpoint, graphs recompute."""
+        self.links = link_parts(self.layers, link_layers) if recompute else [self.layers]
+        """The layers of each link a graph of this range is cut into (module docstring,
+        "Links"): one, unless the stage recomputes with ``link_layers`` fewer than its
+        layers."""
         self.log = log
         self.name = name
         self.factory = factory
@@ -381,7 +410,8 @@ class GraphedRange:
         graph = state.slots.get(slot)
         if graph is not None:
             return graph
-        need = static_bytes(args) + (0 if self.captures else grad_buffer_bytes(self.layers))
+        need = static_bytes(args, len(self.links))
+        need += 0 if self.captures else grad_buffer_bytes(self.layers)
         refusal = self.budget.refusal(need)
         if refusal is not None:
             if not state.said_eager:
@@ -396,8 +426,11 @@ class GraphedRange:
         if slot not in self.pools:
             self.pools[slot] = self.new_pool()
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        module: nn.Module = LayerRun(self.layers, as_tuple)
+        if len(self.links) > 1:
+            module = Links([LayerRun(link, as_tuple) for link in self.links])
         try:
-            fn = self.factory(LayerRun(self.layers, as_tuple), sample, self.pools[slot])
+            fn = self.factory(module, sample, self.pools[slot])
         except torch.OutOfMemoryError:
             raise  # the trainer's one line about the stage's memory plan
         except RuntimeError as exc:
@@ -476,6 +509,7 @@ def install(
     new_pool: Callable[[], Any] | None = None,
     max_graphs: int = MAX_GRAPHS,
     memory: float = math.inf,
+    link_layers: int = 0,
     cuda: Any = torch.cuda,
 ) -> list[GraphedRange]:
     """Graph ``module``'s layer runs (a built stage: its ``forward_funcs``) as ``mode`` says;
@@ -483,7 +517,9 @@ def install(
     written it (module docstring, "Parameter gradients"); ``memory``: bytes the stage's graphs
     may keep in static buffers (module docstring, "Memory"); ``checkpoint_interval`` > 0: the
     stage recomputes activations, and its ranges do it themselves (module docstring,
-    "Recompute"; DeepSpeed's own checkpointing of the stage is turned off); ``cuda``: the
+    "Recompute"; DeepSpeed's own checkpointing of the stage is turned off), its ranges' graphs
+    share one memory pool and are cut into links of at most ``link_layers`` layers (0: one
+    link per range; module docstring, "Links"); ``cuda``: the
     namespace the default factory captures with and the memory pools come from (default
     ``new_pool``: its ``graph_pool_handle``; graph_capture.py). Returns the ranges
     installed (none: the stage runs eagerly, and unless ``mode`` is off, or auto on a machine
@@ -521,18 +557,24 @@ def install(
         # checkpointed calls first); elsewhere the planner sets that copy aside.
         factory = capture_factory({}, warmup_iters=0 if recompute else 1, cuda=cuda)
     new_pool = new_pool or cuda.graph_pool_handle
+    if recompute is not None:  # one pool for all: a range's activations live in its backward
+        new_pool = functools.cache(new_pool)
     ranges, graphed_funcs = [], list(funcs)
     for a, b in reversed(runs):
         name = f"layers {a}-{b - 1} of the stage"
         graphed = GraphedRange(
-            funcs[a:b], log, name, factory, new_pool, budget=budget, recompute=recompute
-        )
+            funcs[a:b], log, name, factory, new_pool, budget=budget, recompute=recompute,
+            link_layers=link_layers,
+        )  # fmt: skip
         graphed_funcs[a:b] = [graphed]
         ranges.append(graphed)
     _forward_over(module, graphed_funcs)
     if recompute is not None:  # every layer of the stage is in a range, which recomputes
         module.set_checkpoint_interval(0)
-    how = "recomputed in the backward, " if recompute else ""
+    how = ""
+    if recompute:
+        links = max(len(r.links) for r in ranges)
+        how = "recomputed in the backward" + (f" in up to {links} links, " if links > 1 else ", ")
     log(
         f"model.cuda_graphs={mode}: {len(ranges)} layer range(s) captured per bucket shape "
         f"{how}after {WARMUP} eager calls (at most {max_graphs} graphs"

@@ -70,7 +70,10 @@ class CapturedRange:
         grad_buffers: GradBuffers,
         warmup_iters: int = 1,
         cuda: Any = torch.cuda,
+        static_grad_out: torch.Tensor | None = None,
     ) -> None:
+        """``static_grad_out``: the buffer the backward graph reads its output gradient from
+        (a new one when None; a chain's links share one: :class:`CapturedChain`)."""
         self.cuda = cuda
         self.warmup_iters = warmup_iters
         self.static_in = tuple(sample_args)
@@ -92,7 +95,9 @@ class CapturedRange:
         self.forward_graph, self.backward_graph = cuda.CUDAGraph(), cuda.CUDAGraph()
         with cuda.graph(self.forward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
             self.static_out = module(*self.static_in)
-        self.static_grad_out = torch.empty_like(self.static_out)
+        if static_grad_out is None:
+            static_grad_out = torch.empty_like(self.static_out)
+        self.static_grad_out = static_grad_out
         with cuda.graph(self.backward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
             grads = torch.autograd.grad(
                 self.static_out, wrt, self.static_grad_out, allow_unused=True
@@ -174,13 +179,115 @@ class _RecomputeReplay(torch.autograd.Function):
         return _backward_replay(captured, grad)
 
 
+class Links(nn.Module):
+    """A recomputing range cut into consecutive links (module docstring, "Links"), each a
+    module of the range's argument list that returns the hidden states: run in order, a link's
+    hidden states go on to the next with the other arguments passed along unchanged."""
+
+    def __init__(self, links: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.links = nn.ModuleList(links)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        for link in self.links:
+            x = link(*args)
+            args = (x, *args[1:])
+        return x
+
+
+class CapturedChain:
+    """The graphs of a :class:`Links` range for one shape, replayed with recompute only
+    (module docstring, "Links"): link k+1's static hidden-state input is link k's static
+    output itself, the other static inputs are link 0's for every link, and every link's
+    backward graph reads the one output-gradient buffer."""
+
+    warmup_iters = 0
+    """No side-stream warm-up: only recomputing stages cut their ranges into links."""
+
+    def __init__(
+        self,
+        module: Links,
+        sample_args: Sequence[torch.Tensor],
+        pool: Any,
+        grad_buffers: GradBuffers,
+        cuda: Any = torch.cuda,
+    ) -> None:
+        self.cuda = cuda
+        self.static_in = tuple(sample_args)
+        self.links: list[CapturedRange] = []
+        args, grad_out = self.static_in, None
+        for link in module.links:
+            captured = CapturedRange(link, args, pool, grad_buffers, 0, cuda, grad_out)
+            self.links.append(captured)
+            grad_out = captured.static_grad_out
+            # the next link reads this one's output where it lies (a detached alias of it);
+            # its gradient is always wanted, for this link's parameters
+            args = (captured.static_out.detach().requires_grad_(), *args[1:])
+        self.params = tuple(p for link in self.links for p in link.params)
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter in two links would share one gradient buffer")
+
+    def recompute(self, *args: torch.Tensor) -> torch.Tensor:
+        """The range on ``args``, keeping each link's input until the backward recomputes the
+        link (module docstring, "Links")."""
+        return _ChainReplay.apply(self, *args, *self.params)
+
+
+class _ChainReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, chain: CapturedChain, *args: torch.Tensor) -> torch.Tensor:
+        inputs = args[: len(chain.static_in)]
+        ctx.chain = chain
+        ctx.rng, kept = [], []
+        for k, link in enumerate(chain.links):
+            ctx.rng.append(chain.cuda.get_rng_state())
+            if k == 0:
+                link.replay_forward(inputs)
+            else:  # its input is the previous link's static output, where it already lies
+                kept.append(chain.links[k - 1].static_out.clone())  # for its recompute
+                link.forward_graph.replay()
+        ctx.save_for_backward(*inputs, *kept)
+        return chain.links[-1].static_out.clone()  # the next replay overwrites static_out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        chain: CapturedChain = ctx.chain
+        cuda = chain.cuda
+        n = len(chain.static_in)
+        saved = ctx.saved_tensors
+        xs = (saved[0], *saved[n:])  # each link's hidden-state input
+        for static, x in zip(chain.static_in[1:], saved[1:n], strict=True):
+            static.copy_(x)  # the passed-along inputs, once for every link
+        passed = chain.static_in[1:]
+        others: list[torch.Tensor | None] = [None] * (n - 1)  # their gradients, summed
+        now = cuda.get_rng_state()
+        for k in reversed(range(len(chain.links))):
+            link = chain.links[k]
+            cuda.set_rng_state(ctx.rng[k])  # the recompute draws the forward's dropout masks
+            link.replay_forward((xs[k], *passed))
+            if link.static_grad_out.data_ptr() != grad.data_ptr():
+                link.static_grad_out.copy_(grad)
+            link.backward_graph.replay()
+            grad = link.input_grads[0]
+            for j, g in enumerate(link.input_grads[1:]):
+                if g is not None:
+                    others[j] = g.clone() if others[j] is None else others[j].add_(g)
+        cuda.set_rng_state(now)
+        first = None if grad is None else grad.clone()
+        params = (g.detach() for link in chain.links for g in link.param_grads)
+        return (None, first, *others, *params)
+
+
 def capture_factory(
     grad_buffers: GradBuffers, warmup_iters: int = 1, cuda: Any = torch.cuda
-) -> Callable[[nn.Module, tuple, Any], Callable[..., torch.Tensor]]:
+) -> Callable[[nn.Module, tuple, Any], Any]:
     """A graph factory for training/cuda_graphs.GraphedRange whose graphs share
-    ``grad_buffers`` (one stage's)."""
+    ``grad_buffers`` (one stage's): a :class:`CapturedChain` of a :class:`Links` module, else a
+    :class:`CapturedRange`."""
 
-    def factory(module: nn.Module, sample_args: tuple, pool: Any) -> CapturedRange:
+    def factory(module: nn.Module, sample_args: tuple, pool: Any) -> Any:
+        if isinstance(module, Links):
+            return CapturedChain(module, sample_args, pool, grad_buffers, cuda)
         return CapturedRange(module, sample_args, pool, grad_buffers, warmup_iters, cuda)
 
     return factory

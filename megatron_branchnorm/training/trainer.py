@@ -44,6 +44,7 @@ from megatron_branchnorm.parallel.pipeline import (
 from megatron_branchnorm.parallel.planner import (
     auto_checkpoint_interval,
     graph_allowance,
+    graph_link_layers,
     stage_plan,
     training_flops,
 )
@@ -281,6 +282,11 @@ class Trainer:
                 graph_allowance(cfg, self.world, module.stage_id, self.device_memory, shapes)
                 if shapes
                 else 0.0
+            ),
+            link_layers=(  # a recomputing stage's links (planner.RunPlan.link_layers)
+                graph_link_layers(cfg, self.world, module.stage_id, self.device_memory, shapes)
+                if shapes and self.ckpt_interval
+                else 0
             ),
             **settings,
         )

@@ -15,11 +15,15 @@ from megatron_branchnorm.config import ConfigError, ModelConfig, load_config
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.layers import DecoderLayer, EncoderLayer
 from megatron_branchnorm.parallel.planner import (
+    ALLOCATOR_MARGIN,
+    DEC_ACT_BYTES,
+    ENC_ACT_BYTES,
     GB,
     auto_stages,
     decoder_layer_params,
     encoder_layer_params,
     format_plan,
+    layer_activation_bytes,
     parse_memory,
     plan_run,
     total_params,
@@ -311,12 +315,19 @@ def test_cuda_graph_rows_bound_the_graphs_by_the_memory_the_run_leaves(capsys) -
 
     cfg = load_config("opus100_1000L")
     plan = dataclasses.replace(plan_run(cfg, gpus=32, gpu_memory=80 * GB), graph_shapes=48)
+    tokens, m = plan.micro_batch_tokens, plan.model
+    layer = {  # one micro-batch's activations of one layer
+        kind: tokens * layer_activation_bytes(m, per_token, 2) * ALLOCATOR_MARGIN
+        for kind, per_token in (("enc", ENC_ACT_BYTES), ("dec", DEC_ACT_BYTES))
+    }
     for s in plan.stage_plans:
         allowance = graph_allowance(cfg, 32, s.stage, 80 * GB, 48)
         assert allowance == plan.graph_allowance(s)
         recomputes = plan.stage_checkpoints(s)
-        if recomputes:  # the pool holds one micro-batch's activations of all the layers
-            free = 80 * GB - s.total(True, plan.overhead) - s.act_no_ckpt / s.in_flight
+        if recomputes:  # one pool: one micro-batch's activations of its larger range
+            assert plan.link_layers(s) == 0  # 80 GB: room for whole ranges
+            pool = max(s.encoder_layers * layer["enc"], s.decoder_layers * layer["dec"])
+            free = 80 * GB - s.total(True, plan.overhead) - pool
         else:  # the slots' pools hold a second copy of the in-flight activations
             free = 80 * GB - s.total(False, plan.overhead) - s.act_no_ckpt
         assert allowance == max(0.0, free)
@@ -521,9 +532,10 @@ def test_a_stage_recomputes_for_its_graphs_only_where_that_is_faster() -> None:
 def test_stages_auto_shows_every_layout_with_its_time(capsys, tmp_path) -> None:
     """plan_memory --stages auto takes the fewest stages that fit (planner.auto_stages) and
     lists every layout it tried with its peak and its time per update, eagerly and with CUDA
-    graphs, and the fastest that fits each way. On 32 x 40 GB opus100_1000L that is not the
-    one taken: 2 x 16 fits, but a stage of 500 layers recomputing has no room for its graphs'
-    pool, where 4 x 8 graphs every micro-batch."""
+    graphs, and the fastest that fits each way. On 32 x 40 GB opus100_1000L, 2 x 16 is taken
+    and is the fastest with graphs too: its stages of 566 and 434 layers recompute, and have no
+    room for a pool of a whole range's activations (before links, their graphs covered no
+    micro-batch and 4 x 8 was 6 times as fast), but do for links of ~125 layers."""
     from megatron_branchnorm.commands import plan as plan_command
     from megatron_branchnorm.parallel.planner import layout_plans
 
@@ -541,10 +553,17 @@ def test_stages_auto_shows_every_layout_with_its_time(capsys, tmp_path) -> None:
     fits = [dataclasses.replace(p, bucket_shapes=48) for p in plans if p.fits()]
     eager = min(fits, key=lambda p: p.seconds_per_update)
     graphed = min(fits, key=lambda p: p.graphed().seconds_per_update)
-    assert (graphed.stages, graphed.dp) == (4, 8)
+    assert (graphed.stages, graphed.dp) == (2, 16)
     assert graphed.graphed().seconds_per_update < taken.seconds_per_update / 4
+    with_graphs = graphed.graphed()
+    for s in with_graphs.stage_plans:  # every shape graphed, in links of a range's ~quarter
+        longest = max(s.encoder_layers, s.decoder_layers)
+        assert 0 < with_graphs.link_layers(s) < longest / 2
+        assert with_graphs.graph_sets(s) == (48, 48)
+        whole = dataclasses.replace(with_graphs, graph_shapes=48)
+        assert whole._sets(s, True, 0)[1] == 0  # a whole range's pool: no room
     assert (
         f"the fastest that fits: eager {eager.stages} x {eager.dp} "
-        f"(~{eager.seconds_per_update:.3g} s); with CUDA graphs 4 x 8 "
+        f"(~{eager.seconds_per_update:.3g} s); with CUDA graphs 2 x 16 "
         f"(~{graphed.graphed().seconds_per_update:.3g} s)"
     ) in out

@@ -40,13 +40,14 @@ def engine_run(
     interval: int = 0,
     stages: int = 1,
     micro_batches: int = 2,
+    link_layers: int = 0,
 ) -> dict:
     """Three updates of ``micro_batches`` micro-batches of one bucket shape through a
     ``stages``-stage engine (lr 0, one rank per stage: run it on that many ranks): each update's
     loss and gradient (norm for bf16, the summed vector for fp32), the ranges installed and the
     stage's DeepSpeed checkpoint interval after install; with ``graphs``, the layer ranges
     replayed from the trainer's own capture factory (install's) on the graph double after
-    warm-up."""
+    warm-up, a recomputing stage's in links of ``link_layers`` layers (0: whole ranges)."""
     import deepspeed
 
     from megatron_branchnorm.parallel.partition import partition_plan
@@ -94,7 +95,7 @@ def engine_run(
             module, "on", device=torch.device("cuda"), bucket_shapes="auto",
             checkpoint_interval=interval, compiled=False,
             grads_handed_over=handed if handed_over is None else handed_over,
-            log=lambda _line: None, cuda=graph_double,
+            log=lambda _line: None, cuda=graph_double, link_layers=link_layers,
         )  # fmt: skip
     losses, norms = [], []
     batches = fixed_batches(cfg, 3 * micro_batches)

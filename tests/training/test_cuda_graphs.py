@@ -33,7 +33,12 @@ from megatron_branchnorm.parallel.pipeline import (
 from megatron_branchnorm.tokens import PAD_ID
 from megatron_branchnorm.training import cuda_graphs
 from megatron_branchnorm.training.cuda_graphs import LayerRun, eager_reason, install
-from megatron_branchnorm.training.graph_capture import CapturedRange, capture_factory
+from megatron_branchnorm.training.graph_capture import (
+    CapturedChain,
+    CapturedRange,
+    Links,
+    capture_factory,
+)
 from tests.core.helpers import random_tokens, tiny_config
 from tests.training import graph_double
 from tests.training.graph_engine import engine_run
@@ -361,6 +366,33 @@ def test_static_bytes_are_what_a_graph_keeps_between_replays() -> None:
         captured.append(c)
     assert all(a is b for a, b in zip(*(c.param_grads for c in captured), strict=True))
     assert sum(b.nbytes for b in buffers.values()) == cuda_graphs.grad_buffer_bytes(dec_layers)
+    # cut into a link a layer (design §19, "Links"): the first link's inputs and output
+    # gradient serve every link; each further link adds its output and input gradients
+    parts = cuda_graphs.link_parts(dec_layers, 1)
+    assert [len(p) for p in parts] == [1, 2]  # the final norm stays with the last layer
+    chain = CapturedChain(
+        Links([LayerRun(p, as_tuple=True) for p in parts]), sample, None, buffers, graph_double
+    )
+    kept = [*chain.static_in, chain.links[0].static_grad_out]
+    for link in chain.links:
+        assert link.static_grad_out is chain.links[0].static_grad_out
+        kept += [link.static_out, *(g for g in link.input_grads if g is not None)]
+    assert len({t.data_ptr() for t in kept}) == len(kept)
+    assert cuda_graphs.static_bytes(args, len(parts)) == sum(t.nbytes for t in kept)
+    assert cuda_graphs.static_bytes(args, 2) - cuda_graphs.static_bytes(args) == (
+        2 * x_dec.nbytes + memory.nbytes
+    )
+
+
+def test_links_are_cut_evenly_and_keep_a_final_norm_with_its_layer() -> None:
+    cfg = tiny_config(encoder_layers=7)
+    funcs = _stage(cfg).forward_funcs[1 : 2 + cfg.encoder_layers]  # 7 layers and their norm
+    for layers_per_link, sizes in ((0, [7]), (3, [3, 2, 2]), (4, [4, 3]), (7, [7]), (9, [7])):
+        parts = cuda_graphs.link_parts(funcs, layers_per_link)
+        layers = [sum(isinstance(f, EncoderLayerPipe) for f in p) for p in parts]
+        assert layers == sizes and [f for p in parts for f in p] == funcs, layers_per_link
+        assert isinstance(parts[-1][-1], FinalNormPipe)
+        assert all(isinstance(p[0], EncoderLayerPipe) for p in parts)
 
 
 def test_the_capture_replays_as_the_eager_layers_compute_bit_for_bit() -> None:
@@ -495,19 +527,31 @@ def _handed_over_backward(stage, out: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in stage.layers.parameters()]
 
 
-def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager() -> None:
+@pytest.mark.parametrize(
+    "depth,link_layers,links", [(2, 0, 1), (3, 1, 3), (3, 2, 2)], ids=["whole", "1", "2"]
+)
+def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager(
+    depth, link_layers, links
+) -> None:
     """On a stage that checkpoints, the ranges recompute themselves: two micro-batches in flight
     share one graph per range, DeepSpeed's checkpointing of the stage is off, the warm-up calls
     go through the stage's checkpoint function chunk by chunk, and with dropout every replayed
     micro-batch's loss and gradients equal the eager layers' from the same random state (the
-    recompute draws the forward's masks)."""
-    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1)
+    recompute draws the forward's masks). Cut into links (``link_layers``; design §19,
+    "Links"), each link's backward recomputes it from its own kept input and random state:
+    bit for bit as eager with a layer a link; with longer links the encoder output's gradient
+    is summed per link before across them (a float rounding apart)."""
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1,
+                      encoder_layers=depth, decoder_layers=depth)  # fmt: skip
     torch.manual_seed(0)
     stage = _stage(cfg)
     eager_funcs = list(stage.forward_funcs)
     stage.set_checkpoint_interval(1)
-    ranges, lines = _install(stage, checkpoint_interval=1, cuda=graph_double)
+    ranges, lines = _install(stage, checkpoint_interval=1, cuda=graph_double,
+                             link_layers=link_layers)  # fmt: skip
     assert stage.activation_checkpoint_interval == 0 and "recomputed in the backward" in lines[0]
+    assert [len(r.links) for r in ranges] == [links, links]
+    same = torch.equal if link_layers < 2 else _close
     for i in range(cuda_graphs.WARMUP):  # eager, through checkpoint, one layer a chunk
         _loss_and_grads(stage, stage.forward, _batch(cfg, 2, 8, 6, i))
     layers = cfg.encoder_layers + cfg.decoder_layers
@@ -531,12 +575,19 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager() -
             assert torch.equal(got_out, want_out), i
         want = [_handed_over_backward(stage, out) for out in want_outs]
         for a, b in zip(got, want, strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), i
+            assert all(same(x, y) for x, y in zip(a, b, strict=True)), i
         compared += 1
     assert compared >= 3 and [r.captures for r in ranges] == [1, 1]
     (captured,) = (g.fn for r in ranges[:1] for k in r.keys.values() for g in k.slots.values())
     assert captured.warmup_iters == 0  # the trainer's factory: no room for a warm-up copy
+    assert len(getattr(captured, "links", [captured])) == links
     assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float rounding, relative to the tensor's size (the encoder's gradients through
+    the encoder output are ~1e-10 here)."""
+    return bool((a - b).norm() <= 1e-5 * b.norm())
 
 
 @pytest.mark.parametrize("interval", [0, 1])
@@ -586,9 +637,13 @@ def test_through_the_engine_a_recomputing_graphed_stage_equals_eager_checkpointi
     with one_rank_process_group():
         eager = engine_run("bf16", graphs=False, interval=1)
         graphed = engine_run("bf16", graphs=True, interval=1)
+        linked = engine_run("bf16", graphs=True, interval=1, link_layers=1)
     assert eager["interval"] == 1 and graphed["interval"] == 0
     assert [r.replays for r in graphed["ranges"]] == [4, 4]
     assert graphed["loss"] == eager["loss"] and graphed["norm"] == eager["norm"]
+    assert [len(r.links) for r in linked["ranges"]] == [2, 2]  # a layer a link
+    assert [r.replays for r in linked["ranges"]] == [4, 4]
+    assert linked["loss"] == eager["loss"] and linked["norm"] == eager["norm"]
 
 
 def test_gpu_bench_runs_the_graphed_train_py_row_on_cuda_only() -> None:
