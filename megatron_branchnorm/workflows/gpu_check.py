@@ -385,12 +385,16 @@ RECOMPUTE_DROPOUT_TOL = 1e-5
 the same random state (fp32: the same kernels, in a graph or not)."""
 
 
-def recompute_dropout_difference(cuda: Any = None, device: str = "cuda") -> float:
+def recompute_dropout_difference(
+    cuda: Any = None, device: str = "cuda", links: bool = False
+) -> float:
     """A recomputing range of 2 encoder layers with dropout 0.1, captured through ``cuda``
-    (``torch.cuda``, or the CPU tests' graph double; training/graph_capture.py): the worst
+    (``torch.cuda``, or the CPU tests' graph double; training/graph_capture.py), with
+    ``links`` as a chain of a layer a link (graph_capture.CapturedChain): the worst
     relative difference over 3 micro-batches between the gradients by ``recompute`` (whose
-    backward replays the forward graph from the forward's saved generator state) and the eager
-    layers' run from that same state. 0 means the recompute drew the forward's dropout masks."""
+    backward replays the forward graph, each link's, from the forward's saved generator
+    state) and the eager layers' run from that same state. 0 means the recompute drew the
+    forward's dropout masks."""
     import torch
 
     from megatron_branchnorm.config import load_config
@@ -398,7 +402,7 @@ def recompute_dropout_difference(cuda: Any = None, device: str = "cuda") -> floa
     from megatron_branchnorm.parallel.pipeline import EncoderLayerPipe
     from megatron_branchnorm.tokens import EOS_ID
     from megatron_branchnorm.training.cuda_graphs import LayerRun
-    from megatron_branchnorm.training.graph_capture import CapturedRange
+    from megatron_branchnorm.training.graph_capture import CapturedChain, CapturedRange, Links
 
     cuda = cuda or torch.cuda
     cfg = load_config("tiny_cpu", ["model.dropout=0.1"]).model
@@ -423,7 +427,13 @@ def recompute_dropout_difference(cuda: Any = None, device: str = "cuda") -> floa
 
     first = batch()
     sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in first)
-    captured = CapturedRange(run, sample, cuda.graph_pool_handle(), {}, warmup_iters=1, cuda=cuda)
+    pool = cuda.graph_pool_handle()
+    if links:  # no side-stream warm-up in a chain: the trainer's eager calls come first
+        run(*first).float().sum().backward()
+        chain = Links([LayerRun([layer], as_tuple=True) for layer in layers])
+        captured: Any = CapturedChain(chain, sample, pool, {}, cuda=cuda)
+    else:
+        captured = CapturedRange(run, sample, pool, {}, warmup_iters=1, cuda=cuda)
     worst = 0.0
     for _ in range(3):
         args, grad = batch(), torch.randn(rows, length, cfg.hidden_size, device=device)
@@ -439,15 +449,23 @@ def recompute_dropout_difference(cuda: Any = None, device: str = "cuda") -> floa
 def recompute_dropout_rows(device: str) -> list[Row]:
     """:func:`recompute_dropout_difference` captured for real: the train.py rows run with
     dropout 0 and cannot show that a recompute draws the forward's masks."""
-    name = "CUDA graphs: recompute with dropout 0.1 vs eager from the same RNG state: grad"
-    if device != "cuda":
-        return [Row(name, "not run: no CUDA device")]
-    try:
-        worst = recompute_dropout_difference()
-    except Exception as exc:  # the capture failed: this row fails, the table goes on
-        return [Row(name, f"failed: {type(exc).__name__}: {str(exc)[-300:]}", "", False)]
-    tol = RECOMPUTE_DROPOUT_TOL
-    return [Row(name, f"{worst:.1e}", f"{tol:g}", worst <= tol)]
+    rows = []
+    for links, what in ((False, "one range"), (True, "in links of a layer")):
+        name = (
+            f"CUDA graphs: recompute ({what}) with dropout 0.1 vs eager from the same RNG "
+            "state: grad"
+        )
+        if device != "cuda":
+            rows.append(Row(name, "not run: no CUDA device"))
+            continue
+        try:
+            worst = recompute_dropout_difference(links=links)
+        except Exception as exc:  # the capture failed: this row fails, the table goes on
+            rows.append(Row(name, f"failed: {type(exc).__name__}: {str(exc)[-300:]}", "", False))
+            continue
+        tol = RECOMPUTE_DROPOUT_TOL
+        rows.append(Row(name, f"{worst:.1e}", f"{tol:g}", worst <= tol))
+    return rows
 
 
 def launch_rows(device: str) -> list[Row]:

@@ -47,7 +47,7 @@ from tests.training.graph_engine import engine_run
 def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
     """planner.StagePlan's graph set and shared gradient bytes (what ``tools/plan_memory.py``
     and the trainer's allowance count) equal static_bytes and grad_buffer_bytes over the
-    ranges of a built one-stage model."""
+    ranges of a built one-stage model, whole and cut into links."""
     from megatron_branchnorm.parallel.planner import plan_run
 
     rows, length = 4, 6  # both sides: a micro-batch of 24 tokens
@@ -65,6 +65,11 @@ def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
     grads = cuda_graphs.grad_buffer_bytes(enc) + cuda_graphs.grad_buffer_bytes(dec)
     assert plan.stage_plans[0].graph_grad_bytes == grads
     assert plan.stage_plans[0].graph_set_bytes == built
+    for link_layers in (1, 2, 4, 5):  # cut into links (design §19, "Links"), as install cuts
+        links = [len(cuda_graphs.link_parts(r, link_layers)) for r in (enc, dec)]
+        built = cuda_graphs.static_bytes((h, ids, ids), links[0])
+        built += cuda_graphs.static_bytes((h, h, ids), links[1])
+        assert plan.set_bytes(plan.stage_plans[0], link_layers) == built, link_layers
 
 
 CUDA = torch.device("cuda")  # only named: nothing here runs on it
@@ -425,13 +430,22 @@ def test_the_capture_replays_as_the_eager_layers_compute_bit_for_bit() -> None:
     assert {p.grad.data_ptr() for p in stage.layers.parameters()} <= shared  # taken, not copied
 
 
-def test_the_captured_region_passes_the_capture_audit() -> None:
+@pytest.mark.parametrize("link_layers", [0, 1], ids=["whole", "links"])
+def test_the_captured_region_passes_the_capture_audit(link_layers) -> None:
+    """What a graph captures, a range's layers or each of its links (design §19, "Links"):
+    no host sync, no finding of the audit, the same calls for two batches of one shape."""
     cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1)
     torch.manual_seed(0)
     stage = _stage(cfg)
     enc = stage.forward_funcs[1 : 1 + cfg.encoder_layers + 1]
     dec = stage.forward_funcs[3 + cfg.encoder_layers : -1]
-    enc_run, dec_run = LayerRun(enc, as_tuple=True), LayerRun(dec, as_tuple=True)
+
+    def region(layers: list) -> nn.Module:
+        parts = cuda_graphs.link_parts(layers, link_layers)
+        return Links([LayerRun(p, as_tuple=True) for p in parts]) if link_layers else (
+            LayerRun(layers, as_tuple=True))  # fmt: skip
+
+    enc_run, dec_run = region(enc), region(dec)
     audits = []
     for seed, step in ((1, 3), (2, 7)):
         x_enc, x_dec, src, prev = _batch(cfg, 3, 7, 6, seed)
@@ -660,6 +674,7 @@ def test_the_gpu_checks_recompute_dropout_row_passes_on_the_graph_double() -> No
     from megatron_branchnorm.workflows.gpu_check import recompute_dropout_difference
 
     assert recompute_dropout_difference(cuda=graph_double, device="cpu") == 0.0
+    assert recompute_dropout_difference(cuda=graph_double, device="cpu", links=True) == 0.0
 
 
 def test_the_trainer_recomputes_where_its_graphs_then_fit(monkeypatch, tmp_path) -> None:
@@ -709,3 +724,42 @@ def test_the_trainer_recomputes_where_its_graphs_then_fit(monkeypatch, tmp_path)
                 assert "stage 0 does not recompute (" in line
             assert run.module.activation_checkpoint_interval == run.ckpt_interval
             del run
+
+
+def test_the_trainer_cuts_a_recomputing_stage_into_the_links_the_planner_chose(
+    monkeypatch, tmp_path
+) -> None:
+    """A stage that must recompute, on a device with room for one link's activations of 3
+    layers in the graphs' pool but not for a whole range's (design §19, "Links"): install gets
+    the planner's link length, with which every bucket shape's graph fits and none did."""
+    from megatron_branchnorm.parallel.planner import plan_run, stage_plan
+    from megatron_branchnorm.resources import DS_CONFIG_DIR
+    from megatron_branchnorm.training import environment, trainer
+    from tests.core.helpers import one_rank_process_group
+
+    cfg = load_config(
+        "tiny_cpu",
+        ["pipeline.activation_checkpoint_interval=auto", "data.bucket_shapes=4",
+         f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}",
+         f"train.save_dir={tmp_path}", "train.eval_interval=0", "model.cuda_graphs=on"],
+    )  # fmt: skip
+    base = plan_run(cfg, 1, 1e12).with_shapes(4, True)
+    s = base.stage_plans[0]
+    assert [n for n, _, _ in s.graph_links] == [6, 6]
+    memory = s.total(True, base.overhead) + base._pool(s, 3) + s.graph_grad_bytes
+    memory += 4.5 * base.set_bytes(s, 3)  # room for 4 sets of links of 3 layers, and a half
+    assert memory < s.total(False, base.overhead)  # it must recompute
+    plan = stage_plan(cfg, 1, memory, graph_shapes=4)
+    stage = plan.stage_plans[0]
+    assert plan.link_layers(stage) == 3 and plan.graph_sets(stage) == (4, 4)
+    assert plan._sets(stage, True, 0) == (4, 0)  # whole ranges: no graph fits
+    installed = []
+    monkeypatch.setattr(environment, "device_memory_bytes", lambda: memory)
+    monkeypatch.setattr(cuda_graphs, "eager_reason", lambda **_kw: None)
+    monkeypatch.setattr(cuda_graphs, "install", lambda *a, **kw: installed.append(kw) or [])
+    with one_rank_process_group():
+        run = trainer.Trainer(cfg)
+        (got,) = installed
+        assert run.ckpt_interval == 1 and got["checkpoint_interval"] == 1
+        assert got["link_layers"] == 3 and got["memory"] == plan.graph_allowance(stage)
+        del run
