@@ -28,7 +28,9 @@ same call the trainer makes), it estimates in bytes:
   range of the stage, for one bucket shape and one micro-batch in flight) keeps between replays,
   the parameter-gradient buffers all of a stage's graphs share (its graphed weights' size,
   once), and how many sets fit in what the planned peak leaves free once the graphs' own
-  activation pools (as large as the eager activations) are set aside (:func:`graph_allowance`).
+  activation pools (as large as the eager activations; on a recomputing stage one pool of one
+  micro-batch's activations of a range, or of a link where the ranges are cut into links:
+  :meth:`RunPlan.link_layers`) are set aside (:func:`graph_allowance`).
 
 Precision follows the DeepSpeed JSON the config names (bf16, fp16 or fp32). The pipeline
 bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.

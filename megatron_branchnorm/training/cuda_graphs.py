@@ -76,7 +76,16 @@ flight; the eager calls (warm-up, past the budget) run the layers through the mo
 checkpoint function in chunks of the interval, as DeepSpeed would (:class:`Recompute`). The
 memory differs from DeepSpeed's chunks: one input per micro-batch in flight instead of one per
 chunk, and one micro-batch's activations of the whole range in the graphs' pool instead of one
-chunk's (``planner.RunPlan.graph_allowance`` sets the pool aside).
+chunk's (``planner.RunPlan.graph_allowance`` sets the pool aside). The stage's ranges share that
+one pool (each range's activations live only from its recompute to its backward).
+
+Links. Where a whole range's activations are more than the stage has room for (a stage of
+hundreds of layers), ``install``'s ``link_layers`` (the planner's ``RunPlan.link_layers``) cuts
+each range's graph into links of at most that many layers (:func:`link_parts`: as even as they
+go, a final norm with its layer), captured as one :class:`~.graph_capture.CapturedChain` per
+shape (graph_capture.py, "Links"): the pool then holds one link's activations, and each link
+keeps its output and input gradients per shape (:func:`static_bytes`). A chain counts as one
+graph against the budget.
 
 Eager instead, with one line naming the reason (:func:`eager_reason`): no CUDA device, a torch
 without ``torch.cuda.graph(pool=, capture_error_mode=)``, ``data.bucket_shapes=0`` (shapes vary),
@@ -270,7 +279,7 @@ def link_parts(layers: Sequence[nn.Module], layers_per_link: int) -> list[list[n
     sizes = [count // links + (i < count % links) for i in range(links)]
     parts: list[list[nn.Module]] = [[]]
     for f in layers:
-        if isinstance(f, _LAYER_TYPES) and sum(map(_is_layer, parts[-1])) == sizes[len(parts) - 1]:
+        if _is_layer(f) and sum(map(_is_layer, parts[-1])) == sizes[len(parts) - 1]:
             parts.append([])
         parts[-1].append(f)
     return parts

@@ -36,6 +36,21 @@ as the forward drew) and the backward graph right after it, and puts the state b
 graph's saved activations are needed only between those two back-to-back replays, one graph per
 shape serves every micro-batch in flight (no in-flight slots), all in one pool.
 
+Links (:class:`CapturedChain`, for a :class:`Links` module: a recomputing range cut so that the
+pool holds one link's activations, not the whole range's; docs/design.md §19, "Links"): each
+link's two graphs are captured in order, link k+1 on link k's static output itself (a detached
+alias, so link k's forward replay writes link k+1's input in place), every link on link 0's
+other static inputs and on one output-gradient buffer. The forward replays the links in order,
+keeping a copy of each link's input and the random-number state before it (as DeepSpeed's
+checkpointing keeps each chunk's input); the backward copies the passed-along inputs in once,
+then from the last link to the first restores the link's state, copies its input in, replays
+its forward and backward graphs, and hands its input gradient to the link before through the
+shared output-gradient buffer; the other inputs' gradients (a decoder's encoder output) are
+summed over the links. At a layer a link that is what eager computes bit for bit; longer links
+sum the encoder output's gradient within each link before across them (a float rounding apart).
+Sharing the pool is safe as it is between shapes: a link's static outputs are read before any
+graph captured earlier, whose temporaries they may overlie, replays again.
+
 ``cuda`` is the namespace the capture calls (``CUDAGraph``, ``graph``, ``Stream``, ``stream``,
 ``current_stream``, ``get_rng_state``, ``set_rng_state``): ``torch.cuda`` in use, a recording
 stand-in in the CPU tests (tests/training/graph_double.py), which replays the recorded

@@ -595,6 +595,7 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager(
     (captured,) = (g.fn for r in ranges[:1] for k in r.keys.values() for g in k.slots.values())
     assert captured.warmup_iters == 0  # the trainer's factory: no room for a warm-up copy
     assert len(getattr(captured, "links", [captured])) == links
+    assert ranges[0].pools == ranges[1].pools == {0: 0}  # the stage's one pool
     assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
 
 
