@@ -229,9 +229,12 @@ def graph_runs() -> dict:
         "in_flight": engine_run("bf16", graphs=True, stages=2, micro_batches=4),
         "eager_ckpt": engine_run("bf16", graphs=False, interval=1, stages=2, micro_batches=4),
         "recompute": engine_run("bf16", graphs=True, interval=1, stages=2, micro_batches=4),
+        "links": engine_run(
+            "bf16", graphs=True, interval=1, stages=2, micro_batches=4, link_layers=1
+        ),
     }
     mine = {
-        name: {k: r[k] for k in ("loss", "norm", "replays", "captures", "interval")}
+        name: {k: r[k] for k in ("loss", "norm", "replays", "captures", "interval", "links")}
         for name, r in runs.items()
     }
     gathered: list = [None] * dist.get_world_size()

@@ -48,10 +48,12 @@ def test_two_graphed_stages_compute_as_eager(harness):
     graph_capture.py; tests/training/graph_engine.py): 3 bf16 updates of 4 micro-batches, so
     stage 0 holds 2 in flight (a second in-flight graph per range) and sends activations and
     receives gradients between replays. Graphed per micro-batch in flight, and recomputing at
-    interval 1 (one graph per range), the losses and gradient norms of every stage equal the
-    eager engine's exactly (eager at interval 1: DeepSpeed's own checkpointing)."""
+    interval 1 (one graph per range, or a chain of a layer a link: design §19, "Links"), the
+    losses and gradient norms of every stage equal the eager engine's exactly (eager at
+    interval 1: DeepSpeed's own checkpointing)."""
     runs = json.loads((harness / "harness.json").read_text())["graphs"]
-    for graphed, eager in (("in_flight", "eager"), ("recompute", "eager_ckpt")):
+    pairs = (("in_flight", "eager"), ("recompute", "eager_ckpt"), ("links", "eager_ckpt"))
+    for graphed, eager in pairs:
         for stage in (0, 1):
             got, want = runs[graphed][stage], runs[eager][stage]
             assert got["norm"] == want["norm"], (graphed, stage, got, want)
@@ -68,6 +70,8 @@ def test_two_graphed_stages_compute_as_eager(harness):
     assert [r["replays"] for r in recompute] == [[10], [10]]
     assert [r["interval"] for r in runs["recompute"]] == [0, 0]
     assert [r["interval"] for r in runs["eager_ckpt"]] == [1, 1]
+    assert [r["links"] for r in runs["links"]] == [[2], [2]]  # each stage's range: 2 layers
+    assert [r["replays"] for r in runs["links"]] == [[10], [10]]
 
 
 def test_tied_embedding_copy_leaves_no_autograd_fallback(harness):

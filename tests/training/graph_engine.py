@@ -108,4 +108,5 @@ def engine_run(
         "loss": losses, "norm": norms, "grads": grads, "ranges": ranges, "handed": handed,
         "interval": module.activation_checkpoint_interval,
         "replays": [r.replays for r in ranges], "captures": [r.captures for r in ranges],
+        "links": [len(r.links) for r in ranges],
     }  # fmt: skip
