@@ -118,10 +118,16 @@ class ModelConfig:
     """Each stage's encoder/decoder layer stack captured as CUDA graphs (forward and backward)
     per bucket shape and replayed (training/cuda_graphs.py, docs/design.md §19): off | on |
     auto. Off until ``make gpu-bench`` shows graphs correct and faster on a GPU. Where a stage
-    cannot be graphed (no CUDA, data.bucket_shapes=0, activation checkpointing, model.compile,
-    a DeepSpeed JSON other than bf16 with immediate_grad_update) it runs eagerly and one line
+    cannot be graphed (no CUDA, data.bucket_shapes=0, model.compile, torch_autocast, a
+    DeepSpeed JSON other than bf16 with immediate_grad_update) it runs eagerly and one line
     says why; auto says nothing on a machine without CUDA. Quote
     it in YAML ("on"): unquoted, YAML reads on and off as booleans."""
+    cuda_graph_link_layers: int | str = "auto"
+    """On a stage that recomputes activations, the most layers one CUDA graph link holds (a
+    range's graph is cut into links so that the graphs' memory pool holds one link's
+    activations, not the whole range's: docs/design.md §19, "Links"). auto: the memory
+    planner's choice for the device (whole ranges where they have room); 0: whole ranges; N:
+    links of at most N layers. Stages that do not recompute ignore it."""
 
 
 @dataclass
@@ -569,6 +575,12 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         m.cuda_graphs in CUDA_GRAPH_MODES,
         f"{prefix}.cuda_graphs",
         f"unknown mode {quote(m.cuda_graphs)} (choose from {', '.join(CUDA_GRAPH_MODES)})",
+    )
+    links = m.cuda_graph_link_layers
+    _check(
+        links == "auto" or (type(links) is int and 0 <= links <= MAX_INT),
+        f"{prefix}.cuda_graph_link_layers",
+        f"must be an integer >= 0 or auto, got {quote(links)}",
     )
 
 

@@ -23,7 +23,9 @@
 # tools' small modes), CHECK_S / BENCH_S / GRAPHS_S / INSTALL_S (each step's limit in seconds).
 # `graphs` times train.py eager against train.py+graphs with a deeper stack that recomputes
 # (GRAPHS_LAYERS per side, 24 by default, pipeline.activation_checkpoint_interval=1): the kind
-# of stage the first stages of opus100_1000L are (docs/design.md §19, "Recompute").
+# of stage the first stages of opus100_1000L are (docs/design.md §19, "Recompute"), its graphs
+# cut into links of GRAPHS_LINKS layers (8 by default; 0: whole ranges), as a deep recomputing
+# stage's are (docs/design.md §19, "Links").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -94,6 +96,7 @@ if [ "$what" = graphs ]; then
     step gpu_bench_graphs "${GRAPHS_S:-240}" "$py" tools/gpu_bench.py --device "$device" \
         --systems train.py,train.py+graphs --tokens 4096 --max-minutes 3 --layers "$layers" \
         --override pipeline.activation_checkpoint_interval=1 \
+        --override "model.cuda_graph_link_layers=${GRAPHS_LINKS:-8}" \
         --workdir "$work/gpu_bench_graphs" --json "$out/gpu_bench_graphs.json"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -371,6 +371,9 @@ class RunPlan:
     bucket_shapes: int = 0
     """The most bucket shapes ``data.bucket_shapes`` allows, graphs or not: what graphs would
     capture, for the time with CUDA graphs (:meth:`graphed`); 0 leaves that time out."""
+    graph_link_layers: int | str = "auto"
+    """``model.cuda_graph_link_layers``: the most layers a link of a recomputing stage's graphs
+    holds (0: whole ranges; "auto": :meth:`link_layers` chooses)."""
 
     @property
     def total_params(self) -> int:
@@ -492,7 +495,8 @@ class RunPlan:
 
     def link_layers(self, stage: StagePlan) -> int:
         """Layers per link of ``stage``'s graphs (docs/design.md §19, "Links"): 0 (one link a
-        range) unless the stage recomputes and its graphs cover more shapes cut shorter."""
+        range) unless the stage recomputes and its graphs cover more shapes cut shorter, or
+        ``model.cuda_graph_link_layers`` sets it."""
         return self._links(stage)[0] if self.stage_checkpoints(stage) else 0
 
     def _links(self, stage: StagePlan) -> tuple[int, tuple[int, int]]:
@@ -501,6 +505,10 @@ class RunPlan:
         (one link's activations) and more static buffers (each link's output and input
         gradients, per shape)."""
         longest = max((n for n, _, _ in stage.graph_links), default=0)
+        if self.graph_link_layers != "auto":  # as configured; as long as a range: whole ranges
+            layers = int(self.graph_link_layers)
+            layers = 0 if layers >= longest else layers
+            return layers, self._sets(stage, True, layers)
         best = (0, self._sets(stage, True, 0))
         for layers in _link_lengths(stage):
             if layers >= longest:
@@ -823,6 +831,7 @@ def plan_run(
         micro_batches=mb,
         micro_batch_tokens=tokens,
         checkpoint_interval=interval,
+        graph_link_layers=cfg.model.cuda_graph_link_layers,
         precision=prec,
         overhead=overhead,
         stage_plans=plans,

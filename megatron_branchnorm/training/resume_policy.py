@@ -50,6 +50,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "model.layernorm_impl",
     "model.compile",
     "model.cuda_graphs",  # how the layers run, not what they compute
+    "model.cuda_graph_link_layers",
     "pipeline.stages",
     "pipeline.fallback_stages",
     "pipeline.data_parallel",

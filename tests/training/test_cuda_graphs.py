@@ -98,6 +98,28 @@ def _reason(**kw) -> str | None:
     return eager_reason(**settings)
 
 
+def test_the_link_length_takes_auto_or_a_count_and_refuses_the_rest() -> None:
+    """model.cuda_graph_link_layers (design §19, "Links"): auto by default, a count of layers
+    taken as set by the planner (0 and a count past the longest range: whole ranges)."""
+    from megatron_branchnorm.parallel.planner import plan_run
+
+    assert load_config("tiny_cpu").model.cuda_graph_link_layers == "auto"
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ConfigError, match=r"model\.cuda_graph_link_layers") as exc:
+            load_config("tiny_cpu", [f"model.cuda_graph_link_layers={bad}"])
+        assert "\n" not in str(exc.value)
+    over = ["pipeline.activation_checkpoint_interval=1"]
+    for links, want in (("0", 0), ("2", 2), ("5", 5), ("6", 0), ("99", 0)):  # 6 + 6 layers
+        cfg = load_config("tiny_cpu", [*over, f"model.cuda_graph_link_layers={links}"])
+        plan = plan_run(cfg, 1, 1e12).with_shapes(4, True)
+        stage = plan.stage_plans[0]
+        assert plan.link_layers(stage) == want, links
+        assert plan.graph_sets(stage) == plan._sets(stage, True, want)
+    cfg = load_config("tiny_cpu", ["model.cuda_graph_link_layers=2"])  # no recompute: ignored
+    plan = plan_run(cfg, 1, 1e12).with_shapes(4, True)
+    assert plan.link_layers(plan.stage_plans[0]) == 0
+
+
 def test_each_reason_to_run_eagerly_is_one_line() -> None:
     assert _reason() is None
     cases = {
@@ -732,7 +754,8 @@ def test_the_trainer_cuts_a_recomputing_stage_into_the_links_the_planner_chose(
 ) -> None:
     """A stage that must recompute, on a device with room for one link's activations of 3
     layers in the graphs' pool but not for a whole range's (design §19, "Links"): install gets
-    the planner's link length, with which every bucket shape's graph fits and none did."""
+    the planner's link length, with which every bucket shape's graph fits and none did; a
+    length set in model.cuda_graph_link_layers is taken as set."""
     from megatron_branchnorm.parallel.planner import plan_run, stage_plan
     from megatron_branchnorm.resources import DS_CONFIG_DIR
     from megatron_branchnorm.training import environment, trainer
@@ -763,4 +786,9 @@ def test_the_trainer_cuts_a_recomputing_stage_into_the_links_the_planner_chose(
         (got,) = installed
         assert run.ckpt_interval == 1 and got["checkpoint_interval"] == 1
         assert got["link_layers"] == 3 and got["memory"] == plan.graph_allowance(stage)
+        del run
+        set_links = dataclasses.replace(  # model.cuda_graph_link_layers is taken as set
+            cfg, model=dataclasses.replace(cfg.model, cuda_graph_link_layers=2))  # fmt: skip
+        run = trainer.Trainer(set_links)
+        assert installed[-1]["link_layers"] == 2
         del run
