@@ -122,6 +122,16 @@ def kill_node(job_id: str, node_id: int, settle: float = 10.0) -> tuple[dict[int
     return killed, node
 
 
+def peers_said_why(exited: set[int], world: int, ranks_per_node: int) -> bool:
+    """Whether every rank off the lost (last) node ``exited`` with the peer-lost code, and no
+    rank outside the job did. A rank of the lost node may be among them: :func:`kill_node`
+    kills the ranks one scan at a time, 0.1 s apart, and a rank a scan missed can see its
+    peers die and exit with that code before its own SIGKILL lands (seen once in a fresh-clone
+    test run)."""
+    off_node = set(range(world - ranks_per_node))
+    return off_node <= exited <= set(range(world))
+
+
 def node_loss_spec(
     launcher: str = "slurm/opus100_1000L.sh",
     nodes: int = 4,
@@ -292,7 +302,7 @@ def rehearse_node_loss(
         ),
         (
             f"the other ranks said why in one line and exited {PEER_LOST_EXIT_CODE}",
-            survivors == set(range(world_a - spec.ranks_per_node)) and "Traceback" not in text_a,
+            peers_said_why(survivors, world_a, spec.ranks_per_node) and "Traceback" not in text_a,
             f"ranks {sorted(survivors)} exited {PEER_LOST_EXIT_CODE}"
             + ("; a traceback in the log" if "Traceback" in text_a else ""),
         ),

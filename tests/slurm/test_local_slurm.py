@@ -34,6 +34,20 @@ def test_srun_exit_lines_name_every_rank():
     assert ranks_exited(log, 1) == {4}
 
 
+def test_the_peers_of_a_lost_node_said_why_even_where_a_lost_rank_did_too():
+    """rehearse_node_loss's check: 8 ranks, 4 a node, the last node lost. Its rank 7, missed by
+    one /proc scan, saw its peers die and exited 4 before its SIGKILL landed (a fresh-clone run,
+    2026-11-28): the survivors still all said why. An off-node rank that did not, or a rank
+    outside the job, fails the check."""
+    from megatron_branchnorm.workflows.rehearse_node_loss import peers_said_why
+
+    assert peers_said_why({0, 1, 2, 3}, 8, 4)
+    assert peers_said_why({0, 1, 2, 3, 7}, 8, 4)
+    assert not peers_said_why({0, 1, 3}, 8, 4)
+    assert not peers_said_why({0, 1, 3, 7}, 8, 4)
+    assert not peers_said_why({0, 1, 2, 3, 8}, 8, 4)
+
+
 def test_common_sh_reads_slurm_time_limits():
     cases = {"5": 300, "05:30": 330, "1:00:00": 3600, "2-03:04": 183840, "1-00:00:00": 86400}
     script = "source slurm/common.sh; " + "; ".join(f"mb_seconds {t}" for t in cases)
