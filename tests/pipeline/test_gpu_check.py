@@ -99,3 +99,36 @@ def test_cuda_where_there_is_none_is_one_line(capsys):
     assert gpu_check.main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch sees no CUDA device" in err[0]
+
+
+def test_the_graph_rows_run_each_variant_graphed_and_share_an_eager_run(monkeypatch, tmp_path):
+    """The CUDA-graph rows as on a GPU, train.py stood in (its launches recorded, its losses
+    equal): a graphed run per variant, in flight, recomputing and recomputing in links
+    (docs/design.md §19, "Links"), and one eager run per setting that changes what eager
+    runs: the two recomputing variants share theirs, which never gets the link key."""
+    launched: list[list[str]] = []
+
+    def launch(world, overrides, save_dir, timeout):
+        launched.append(list(overrides))
+        save_dir.mkdir(parents=True)
+        log = (
+            "cuda graphs: layers 1-7: first graph captured"
+            if "model.cuda_graphs=on" in overrides
+            else ""
+        )
+        (save_dir.parent / f"{save_dir.name}.rank0.log").write_text(log)
+        return 1.0
+
+    monkeypatch.setattr(gpu_check, "_launch", launch)
+    monkeypatch.setattr(
+        gpu_check, "_updates", lambda _d: [{"step": s, "loss": 5.0} for s in (1, 2)]
+    )
+    rows = gpu_check.cuda_graph_rows("cuda", tmp_path)
+    assert [r.ok for r in rows] == [True, True, True]
+    assert "recomputing stage in links" in rows[2].check
+    eager = [o for o in launched if "model.cuda_graphs=off" in o]
+    graphed = [o for o in launched if "model.cuda_graphs=on" in o]
+    assert len(eager) == 2 and len(graphed) == 3
+    assert not any(o.startswith("model.cuda_graph_link_layers=") for run in eager for o in run)
+    assert "model.cuda_graph_link_layers=2" in graphed[2]
+    assert "pipeline.activation_checkpoint_interval=1" in graphed[2]
