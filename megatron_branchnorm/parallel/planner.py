@@ -463,14 +463,14 @@ class RunPlan:
         its largest link (links of at most ``link_layers`` layers, as even as they go; 0: a
         whole range), which only lives from its recompute to its backward."""
         return max(
-            (math.ceil(n / _link_count(n, link_layers)) * act for n, act, _ in stage.graph_links),
+            (math.ceil(n / link_count(n, link_layers)) * act for n, act, _ in stage.graph_links),
             default=stage.act_no_ckpt / max(stage.in_flight, 1),
         )
 
     def set_bytes(self, stage: StagePlan, link_layers: int) -> float:
         """Static bytes of one graph set whose ranges are cut into links of at most
         ``link_layers`` layers (0: one link a range)."""
-        more = sum((_link_count(n, link_layers) - 1) * b for n, _, b in stage.graph_links)
+        more = sum((link_count(n, link_layers) - 1) * b for n, _, b in stage.graph_links)
         return stage.graph_set_bytes + more
 
     def graph_sets(self, stage: StagePlan) -> tuple[int, int]:
@@ -609,9 +609,9 @@ class StageTime:
     ahead of the GPU as long as nothing syncs: one host sync per update)."""
 
 
-def _link_count(layers: int, link_layers: int) -> int:
-    """Links a range of ``layers`` layers is cut into, at most ``link_layers`` each (0: one);
-    training/cuda_graphs.link_parts cuts it so."""
+def link_count(layers: int, link_layers: int) -> int:
+    """Links a range of ``layers`` layers is cut into, at most ``link_layers`` each (0: one),
+    as even as they go (training/cuda_graphs.link_parts cuts by it)."""
     return max(1, math.ceil(layers / link_layers)) if link_layers > 0 else 1
 
 
@@ -876,16 +876,6 @@ def graph_allowance(
     run needs."""
     plan = stage_plan(cfg, world, device_memory, graph_shapes)
     return plan.graph_allowance(plan.stage_plans[stage])
-
-
-def graph_link_layers(
-    cfg: ExperimentConfig, world: int, stage: int, device_memory: float, graph_shapes: int
-) -> int:
-    """Layers per link of ``stage``'s CUDA graphs (:meth:`RunPlan.link_layers`; 0: one link a
-    layer range) in the plan :func:`graph_allowance` gives: training/cuda_graphs.install's
-    ``link_layers``."""
-    plan = stage_plan(cfg, world, device_memory, graph_shapes)
-    return plan.link_layers(plan.stage_plans[stage])
 
 
 def stage_counts(cfg: ExperimentConfig, gpus: int) -> list[int]:

@@ -113,7 +113,7 @@ from megatron_branchnorm.parallel.pipeline import (
     FinalNormPipe,
     StageBias,
 )
-from megatron_branchnorm.parallel.planner import MAX_GRAPHS
+from megatron_branchnorm.parallel.planner import MAX_GRAPHS, link_count
 from megatron_branchnorm.training.graph_capture import Links, capture_factory
 from megatron_branchnorm.training.stopping import TrainError
 
@@ -273,20 +273,19 @@ def link_parts(layers: Sequence[nn.Module], layers_per_link: int) -> list[list[n
     """``layers`` (a range) cut into the fewest links of at most ``layers_per_link`` encoder or
     decoder layers each (0: one link), as even as they go; a final norm stays with the layer
     before it."""
-    count = sum(map(_is_layer, layers))
-    links = math.ceil(count / layers_per_link) if layers_per_link > 0 else 1
-    links = max(1, min(links, count))
+    count = sum(isinstance(f, _LAYER_TYPES) for f in layers)
+    links = link_count(count, layers_per_link)
     sizes = [count // links + (i < count % links) for i in range(links)]
     parts: list[list[nn.Module]] = [[]]
+    held = 0  # layers in the last part
     for f in layers:
-        if _is_layer(f) and sum(map(_is_layer, parts[-1])) == sizes[len(parts) - 1]:
-            parts.append([])
+        if isinstance(f, _LAYER_TYPES):
+            if held == sizes[len(parts) - 1]:
+                parts.append([])
+                held = 0
+            held += 1
         parts[-1].append(f)
     return parts
-
-
-def _is_layer(f: nn.Module) -> bool:
-    return isinstance(f, _LAYER_TYPES)
 
 
 def _returns_tuple(layers: Sequence[nn.Module], as_tuple: bool) -> bool:

@@ -43,8 +43,6 @@ from megatron_branchnorm.parallel.pipeline import (
 )
 from megatron_branchnorm.parallel.planner import (
     auto_checkpoint_interval,
-    graph_allowance,
-    graph_link_layers,
     stage_plan,
     training_flops,
 )
@@ -273,21 +271,19 @@ class Trainer:
             if self.recompute_for_graphs:
                 self.ckpt_interval = interval
                 module.set_checkpoint_interval(interval)
+        memory, link_layers = 0.0, 0
+        if shapes:  # the plan's bounds: static buffers kept beside the planned run, and a
+            # recomputing stage's links (planner.RunPlan.graph_allowance, link_layers)
+            plan = stage_plan(cfg, self.world, self.device_memory, shapes)
+            stage = plan.stage_plans[module.stage_id]
+            memory, link_layers = plan.graph_allowance(stage), plan.link_layers(stage)
         cuda_graphs.install(
             module,
             cfg.model.cuda_graphs,
             checkpoint_interval=self.ckpt_interval,
             log=self._stage_log,
-            memory=(  # static buffers kept beside the planned run (planner.graph_allowance)
-                graph_allowance(cfg, self.world, module.stage_id, self.device_memory, shapes)
-                if shapes
-                else 0.0
-            ),
-            link_layers=(  # a recomputing stage's links (planner.RunPlan.link_layers)
-                graph_link_layers(cfg, self.world, module.stage_id, self.device_memory, shapes)
-                if shapes and self.ckpt_interval
-                else 0
-            ),
+            memory=memory,
+            link_layers=link_layers,
             **settings,
         )
 

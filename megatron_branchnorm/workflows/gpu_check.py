@@ -343,16 +343,18 @@ GRAPHS_RUN = ["model.dropout=0.0", "data.bucket_shapes=2", "train.micro_batches=
 shapes, so most of the 16 micro-batches replay a graph past the 2 eager calls per shape)."""
 
 
+RECOMPUTING = ("pipeline.activation_checkpoint_interval=1", "train.max_steps=6")
+
 GRAPH_VARIANTS = {
-    "in-flight graphs": [],
-    "recomputing stage": ["pipeline.activation_checkpoint_interval=1", "train.max_steps=6"],
-    "recomputing stage in links": ["pipeline.activation_checkpoint_interval=1",
-                                   "train.max_steps=6", "model.cuda_graph_link_layers=2"],
-}  # fmt: skip
-"""The graphed path's modes (training/cuda_graphs.py): graphs per micro-batch in flight, a stage
-that checkpoints, whose graphs recompute in the backward, and the same stage's ranges cut into
-links of 2 layers (docs/design.md §19, "Links"; the eager run ignores the key, so the recomputing
-stage's eager run serves both)."""
+    "in-flight graphs": ((), ()),
+    "recomputing stage": (RECOMPUTING, ()),
+    "recomputing stage in links": (RECOMPUTING, ("model.cuda_graph_link_layers=2",)),
+}
+"""The graphed path's modes (training/cuda_graphs.py), each as (overrides of both runs, of the
+graphed run alone): graphs per micro-batch in flight, a stage that checkpoints, whose graphs
+recompute in the backward, and the same stage's ranges cut into links of 2 layers
+(docs/design.md §19, "Links"; an eager run has no graphs to cut, so the recomputing stage's
+eager run serves both)."""
 
 
 def cuda_graph_rows(device: str, work: Path) -> list[Row]:
@@ -361,23 +363,23 @@ def cuda_graph_rows(device: str, work: Path) -> list[Row]:
     tolerance (docs/design.md §5, as the precision rows), and the graphed run's log saying its
     layers were captured."""
     rows = []
-    eager_runs: dict[tuple, Path] = {}  # one eager run per setting that changes what it runs
-    for variant, extra in GRAPH_VARIANTS.items():
+    eager_runs: dict[tuple, Path] = {}  # one eager run per set of shared overrides
+    for variant, (shared, graphed) in GRAPH_VARIANTS.items():
         name = f"CUDA graphs ({variant}): graphed run vs eager, bf16: loss"
         if device != "cuda":
             rows.append(Row(name, "not run: no CUDA device"))
             continue
         tag = variant.replace(" ", "_").replace("-", "_")
-        eager = tuple(o for o in extra if not o.startswith("model.cuda_graph_link_layers="))
-        if eager not in eager_runs:
-            eager_runs[eager] = work / f"{tag}_off"
-            _launch(1, [*GRAPHS_RUN, *eager, "model.cuda_graphs=off"], eager_runs[eager], 900)
+        if shared not in eager_runs:
+            eager_runs[shared] = work / f"{tag}_off"
+            _launch(1, [*GRAPHS_RUN, *shared, "model.cuda_graphs=off"], eager_runs[shared], 900)
+        extra = [*shared, *graphed, "model.cuda_graphs=on"]
         try:
-            _launch(1, [*GRAPHS_RUN, *extra, "model.cuda_graphs=on"], work / f"{tag}_on", 900)
+            _launch(1, [*GRAPHS_RUN, *extra], work / f"{tag}_on", 900)
         except RuntimeError as exc:  # the graphed run failed: this row fails, the table goes on
             rows.append(Row(name, f"the graphed run failed: {str(exc)[-300:]}", "", False))
             continue
-        ref = {r["step"]: r["loss"] for r in _updates(eager_runs[eager])}
+        ref = {r["step"]: r["loss"] for r in _updates(eager_runs[shared])}
         got = {r["step"]: r["loss"] for r in _updates(work / f"{tag}_on")}
         same = ref and set(got) == set(ref)
         worst = max(_rel(got[s], ref[s]) for s in ref) if same else math.inf
@@ -409,7 +411,7 @@ def recompute_dropout_difference(
     from megatron_branchnorm.model.residual import stack_constants
     from megatron_branchnorm.parallel.pipeline import EncoderLayerPipe
     from megatron_branchnorm.tokens import EOS_ID
-    from megatron_branchnorm.training.cuda_graphs import LayerRun
+    from megatron_branchnorm.training.cuda_graphs import LayerRun, link_parts
     from megatron_branchnorm.training.graph_capture import CapturedChain, CapturedRange, Links
 
     cuda = cuda or torch.cuda
@@ -438,7 +440,7 @@ def recompute_dropout_difference(
     pool = cuda.graph_pool_handle()
     if links:  # no side-stream warm-up in a chain: the trainer's eager calls come first
         run(*first).float().sum().backward()
-        chain = Links([LayerRun([layer], as_tuple=True) for layer in layers])
+        chain = Links([LayerRun(part, as_tuple=True) for part in link_parts(layers, 1)])
         captured: Any = CapturedChain(chain, sample, pool, {}, cuda=cuda)
     else:
         captured = CapturedRange(run, sample, pool, {}, warmup_iters=1, cuda=cuda)
