@@ -43,13 +43,16 @@ alias, so link k's forward replay writes link k+1's input in place), every link 
 other static inputs and on one output-gradient buffer. The forward replays the links in order,
 keeping a copy of each link's input and the random-number state before it (as DeepSpeed's
 checkpointing keeps each chunk's input); the backward copies the passed-along inputs in once,
-then from the last link to the first restores the link's state, copies its input in, replays
-its forward and backward graphs, and hands its input gradient to the link before through the
-shared output-gradient buffer; the other inputs' gradients (a decoder's encoder output) are
-summed over the links. At a layer a link that is what eager computes bit for bit; longer links
-sum the encoder output's gradient within each link before across them (a float rounding apart).
-Sharing the pool is safe as it is between shapes: a link's static outputs are read before any
-graph captured earlier, whose temporaries they may overlie, replays again.
+then from the last link to the first copies the gradient of the link's output into the shared
+output-gradient buffer, restores the link's state, copies its input in, and replays its
+forward and backward graphs; its input gradient is the next link's output gradient, and the
+other inputs' gradients (a decoder's encoder output) are summed over the links. At a layer a
+link that is what eager computes bit for bit; longer links sum the encoder output's gradient
+within each link before across them (a float rounding apart). Sharing the pool is safe as it is
+between shapes: a link's static outputs are read before any graph captured earlier, whose
+temporaries they may overlie, replays again. Hence the order: link k+1's input gradient is
+copied out before link k's forward replays (read after it, it may hold link k's activations;
+tests/training/graph_double.py models that, and a first version read it after).
 
 ``cuda`` is the namespace the capture calls (``CUDAGraph``, ``graph``, ``Stream``, ``stream``,
 ``current_stream``, ``get_rng_state``, ``set_rng_state``): ``torch.cuda`` in use, a recording
@@ -278,10 +281,12 @@ class _ChainReplay(torch.autograd.Function):
         now = cuda.get_rng_state()
         for k in reversed(range(len(chain.links))):
             link = chain.links[k]
-            cuda.set_rng_state(ctx.rng[k])  # the recompute draws the forward's dropout masks
-            link.replay_forward((xs[k], *passed))
+            # the gradient first: from link k+1 it lies in that link's memory, which link k,
+            # captured earlier into the same pool, may overwrite as its forward replays
             if link.static_grad_out.data_ptr() != grad.data_ptr():
                 link.static_grad_out.copy_(grad)
+            cuda.set_rng_state(ctx.rng[k])  # the recompute draws the forward's dropout masks
+            link.replay_forward((xs[k], *passed))
             link.backward_graph.replay()
             grad = link.input_grads[0]
             for j, g in enumerate(link.input_grads[1:]):

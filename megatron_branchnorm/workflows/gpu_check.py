@@ -61,6 +61,7 @@ from typing import Any
 
 from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.resources import DS_CONFIG_DIR
+from megatron_branchnorm.workflows.rehearse_checks import rel_diff
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 TOL = {"bf16": {"loss": 1e-2, "grad": 5e-2}, "fp16": {"loss": 2e-3, "grad": 1e-2}}
@@ -96,10 +97,6 @@ class Row:
 
     def verdict(self) -> str:
         return {True: "PASS", False: "FAIL", None: ""}[self.ok]
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def environment(device: str) -> list[Row]:
@@ -216,20 +213,20 @@ def precision_rows(device: str, precisions: list[str]) -> list[Row]:
         tol = TOL[p]
         flat_loss, grad = _flat(cfg, batch, device, dtypes[p])
         err = float((grad - ref_grad).norm()) / ref_norm
-        rows.append(Row(f"flat {p}: loss", f"{_rel(flat_loss, ref_loss):.1e}", f"{tol['loss']:g}",
-                        _rel(flat_loss, ref_loss) <= tol["loss"]))  # fmt: skip
+        rows.append(Row(f"flat {p}: loss", f"{rel_diff(flat_loss, ref_loss):.1e}", f"{tol['loss']:g}",
+                        rel_diff(flat_loss, ref_loss) <= tol["loss"]))  # fmt: skip
         rows.append(Row(f"flat {p}: gradient, norm of (g - g_fp32) / norm of g_fp32", f"{err:.1e}", f"{tol['grad']:g}",
                         err <= tol["grad"]))  # fmt: skip
         losses = {}
         for ck in (0, 1):
             losses[ck] = _pipeline(cfg, batch, device, p, ck)
         loss, norm = losses[1]
-        rows.append(Row(f"1-stage pipeline {p} vs flat {p}: loss", f"{_rel(loss, flat_loss):.1e}",
-                        f"{2**-8:.1e}", _rel(loss, flat_loss) <= 2**-8))  # fmt: skip
-        rows.append(Row(f"1-stage pipeline {p} (checkpointing on): loss", f"{_rel(loss, ref_loss):.1e}",
-                        f"{tol['loss']:g}", _rel(loss, ref_loss) <= tol["loss"]))  # fmt: skip
-        rows.append(Row(f"1-stage pipeline {p}: gradient norm", f"{_rel(norm, ref_norm):.1e}",
-                        f"{tol['grad']:g}", _rel(norm, ref_norm) <= tol["grad"]))  # fmt: skip
+        rows.append(Row(f"1-stage pipeline {p} vs flat {p}: loss", f"{rel_diff(loss, flat_loss):.1e}",
+                        f"{2**-8:.1e}", rel_diff(loss, flat_loss) <= 2**-8))  # fmt: skip
+        rows.append(Row(f"1-stage pipeline {p} (checkpointing on): loss", f"{rel_diff(loss, ref_loss):.1e}",
+                        f"{tol['loss']:g}", rel_diff(loss, ref_loss) <= tol["loss"]))  # fmt: skip
+        rows.append(Row(f"1-stage pipeline {p}: gradient norm", f"{rel_diff(norm, ref_norm):.1e}",
+                        f"{tol['grad']:g}", rel_diff(norm, ref_norm) <= tol["grad"]))  # fmt: skip
         same = losses[0] == losses[1]
         rows.append(Row(f"activation checkpointing on = off ({p}): loss, gradient norm",
                         "equal" if same else f"{losses[0]} vs {losses[1]}", "exact", same))  # fmt: skip
@@ -382,7 +379,7 @@ def cuda_graph_rows(device: str, work: Path) -> list[Row]:
         ref = {r["step"]: r["loss"] for r in _updates(eager_runs[shared])}
         got = {r["step"]: r["loss"] for r in _updates(work / f"{tag}_on")}
         same = ref and set(got) == set(ref)
-        worst = max(_rel(got[s], ref[s]) for s in ref) if same else math.inf
+        worst = max(rel_diff(got[s], ref[s]) for s in ref) if same else math.inf
         captured = "first graph captured" in (work / f"{tag}_on.rank0.log").read_text()
         tol = TOL["bf16"]["loss"]
         rows.append(Row(name, f"{worst:.1e}" + ("" if captured else " (the layers ran eagerly: see the log)"),
@@ -452,7 +449,8 @@ def recompute_dropout_difference(
         got = grads(captured.recompute, args, state, grad)
         want = grads(run, eager_args, state, grad)
         diffs = [(g - w).norm() / w.norm().clamp_min(1e-12) for g, w in zip(got, want, strict=True)]
-        worst = max(worst, float(torch.stack(diffs).max()))  # one host sync per micro-batch
+        diff = float(torch.stack(diffs).max())  # one host sync per micro-batch
+        worst = max(worst, diff if math.isfinite(diff) else math.inf)  # max() skips a NaN
     return worst
 
 
@@ -523,7 +521,7 @@ def parity_rows(ranks: int, work: Path) -> list[Row]:
             continue
         _launch(stages, [*base, f"pipeline.stages={stages}"], work / f"parity{stages}", 900)
         got = {r["step"]: r["loss"] for r in _updates(work / f"parity{stages}")}
-        worst = max(_rel(got[s], ref[s]) for s in ref) if set(got) == set(ref) else math.inf
+        worst = max(rel_diff(got[s], ref[s]) for s in ref) if set(got) == set(ref) else math.inf
         rows.append(Row(f"{stages} stages vs 1 stage, 8 updates, fp32: loss", f"{worst:.1e}",
                         f"{PARITY_TOL:g}", worst <= PARITY_TOL))  # fmt: skip
     return rows

@@ -8,8 +8,17 @@ recorded operators again in order, on the same tensors, and writes each result i
 the capture produced. So, as on a GPU: a replay reads whatever its static inputs hold now and
 overwrites its static outputs and everything in between (saved activations included); Python
 in the region does not run again; random operators draw anew; the captured tensors' addresses
-never change. What it does not model: memory pools (every captured tensor is its own memory
-here) and streams (one order of execution).
+never change.
+
+Memory pools, as the worst case a GPU allows. Captures into one pool (``graph(pool=)`` with a
+``graph_pool_handle()``) may place what they allocate in memory an earlier capture of that pool
+freed, so replaying a graph may overwrite anything a later capture of its pool allocated (torch
+promises sharing a pool is safe only where graphs replay in the order they were captured). Here
+every tensor a capture allocated has its own memory, and a replay instead fills with NaN every
+floating tensor that a later capture of its pool allocated, before it runs: a caller that reads
+a later graph's output after an earlier graph of its pool replayed reads NaN, where a GPU may
+give it another graph's numbers. A capture without a pool has a pool of its own. What it does
+not model: streams (one order of execution).
 """
 
 from __future__ import annotations
@@ -36,15 +45,50 @@ class _Record(TorchDispatchMode):
         return out
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _allocated(ops: list[tuple[Any, tuple, dict, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """The floating tensors ``ops`` made in memory of their own (not an operator's in-place
+    result or a view of its arguments), one per storage."""
+    made: dict[int, torch.Tensor] = {}
+    for _func, args, kwargs, outs in ops:
+        read = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in outs:
+            if t.is_floating_point() and _storage(t) not in read:
+                made.setdefault(_storage(t), t)
+    return list(made.values())
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill the whole storage of ``t`` with NaN."""
+    whole = torch.empty(0, dtype=t.dtype)
+    whole.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes() // t.element_size(),))
+    whole.fill_(float("nan"))
+
+
+class Pool:
+    """A memory pool's token: the tensors each capture into it allocated, in capture order."""
+
+    def __init__(self) -> None:
+        self.captures: list[list[torch.Tensor]] = []
+
+
 class CUDAGraph:
     """A recorded region; :meth:`replay` runs it again on the same tensors."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, tuple, dict, list[torch.Tensor]]] | None = None
         self.replays = 0
+        self.pool: Pool | None = None
+        self.index = 0  # its place among its pool's captures
 
     def replay(self) -> None:
-        assert self.ops is not None, "replay before capture"
+        assert self.ops is not None and self.pool is not None, "replay before capture"
+        for later in self.pool.captures[self.index + 1 :]:
+            for t in later:
+                _poison(t)
         for func, args, kwargs, outs in self.ops:
             fresh = [
                 t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)
@@ -59,18 +103,22 @@ class CUDAGraph:
 def graph(
     cuda_graph: CUDAGraph, pool: Any = None, capture_error_mode: str = "global"
 ) -> Iterator[None]:
-    """Capture into ``cuda_graph`` (``pool`` and ``capture_error_mode`` are checked as torch
-    would and, here, have no effect)."""
+    """Capture into ``cuda_graph``, its allocations into ``pool`` (module docstring; None: a
+    pool of its own); ``capture_error_mode`` is checked as torch would and has no effect."""
     assert capture_error_mode in ("global", "thread_local", "relaxed"), capture_error_mode
+    assert pool is None or isinstance(pool, Pool), pool
     record = _Record()
     with record:
         yield
     cuda_graph.ops = record.ops
+    cuda_graph.pool = pool if pool is not None else Pool()
+    cuda_graph.index = len(cuda_graph.pool.captures)
+    cuda_graph.pool.captures.append(_allocated(record.ops))
 
 
-def graph_pool_handle() -> None:
-    """A memory pool's token (pools have no effect here)."""
-    return None
+def graph_pool_handle() -> Pool:
+    """A new memory pool's token."""
+    return Pool()
 
 
 class Stream:

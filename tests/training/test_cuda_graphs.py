@@ -44,6 +44,35 @@ from tests.training import graph_double
 from tests.training.graph_engine import engine_run
 
 
+def test_the_graph_double_lets_a_replay_overwrite_what_later_captures_of_its_pool_made() -> None:
+    """The double's pools (tests/training/graph_double.py): replaying a graph fills with NaN
+    the floating tensors a later capture of its pool allocated, as a GPU may overwrite them;
+    not its own, not an earlier capture's, not another pool's, not a buffer made outside any
+    capture."""
+    x = torch.ones(3)
+    outside = torch.empty(3)  # allocated outside any capture: not the pool's
+
+    def capture(pool) -> tuple[graph_double.CUDAGraph, torch.Tensor]:
+        g = graph_double.CUDAGraph()
+        with graph_double.graph(g, pool=pool):
+            out = x * 2
+            outside.copy_(out)
+        return g, out
+
+    shared, other = graph_double.graph_pool_handle(), graph_double.graph_pool_handle()
+    first, first_out = capture(shared)
+    second, second_out = capture(shared)
+    apart, apart_out = capture(other)
+    second.replay()
+    apart.replay()
+    first.replay()
+    assert torch.equal(first_out, x * 2) and torch.equal(apart_out, x * 2)
+    assert torch.equal(outside, x * 2)
+    assert second_out.isnan().all()  # the later capture of the replayed graph's pool
+    second.replay()
+    assert torch.equal(second_out, x * 2) and torch.equal(first_out, x * 2)
+
+
 def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
     """planner.StagePlan's graph set and shared gradient bytes (what ``tools/plan_memory.py``
     and the trainer's allowance count) equal static_bytes and grad_buffer_bytes over the
@@ -188,11 +217,14 @@ class FakeFactory:
 def _install(stage, factory=None, max_graphs=cuda_graphs.MAX_GRAPHS, memory=float("inf"), **kw):
     lines: list[str] = []
     pools = iter(range(100))
+    new_pool = graph_double.graph_pool_handle  # pools as the double models them
     if factory is None and "cuda" not in kw:
         factory = FakeFactory()  # else the trainer's own factory, capturing on kw["cuda"]
+    if isinstance(factory, FakeFactory):
+        new_pool = lambda: next(pools)  # noqa: E731
     ranges = install(
         stage, "on", **{**ELIGIBLE, **kw}, log=lines.append, factory=factory,
-        new_pool=lambda: next(pools), max_graphs=max_graphs, memory=memory,
+        new_pool=new_pool, max_graphs=max_graphs, memory=memory,
     )  # fmt: skip
     return ranges, lines
 
@@ -617,7 +649,7 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager(
     (captured,) = (g.fn for r in ranges[:1] for k in r.keys.values() for g in k.slots.values())
     assert captured.warmup_iters == 0  # the trainer's factory: no room for a warm-up copy
     assert len(getattr(captured, "links", [captured])) == links
-    assert ranges[0].pools == ranges[1].pools == {0: 0}  # the stage's one pool
+    assert ranges[0].pools == ranges[1].pools and list(ranges[0].pools) == [0]  # one pool
     assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
 
 
@@ -698,6 +730,27 @@ def test_the_gpu_checks_recompute_dropout_row_passes_on_the_graph_double() -> No
 
     assert recompute_dropout_difference(cuda=graph_double, device="cpu") == 0.0
     assert recompute_dropout_difference(cuda=graph_double, device="cpu", links=True) == 0.0
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["range", "links"])
+def test_the_gpu_checks_recompute_dropout_row_reads_nan_gradients_as_infinite(
+    monkeypatch, links
+) -> None:
+    """A recompute whose gradients come back NaN (what a link reading memory that another
+    graph of its pool overwrote gave on the pool-modelling double) reads inf, not the 0.0 of
+    Python's max(), which skips a NaN."""
+    from megatron_branchnorm.training import graph_capture
+    from megatron_branchnorm.workflows.gpu_check import recompute_dropout_difference
+
+    name = "CapturedChain" if links else "CapturedRange"
+
+    class NaNGradients(getattr(graph_capture, name)):
+        def recompute(self, *args):
+            return super().recompute(*args) * float("nan")
+
+    monkeypatch.setattr(graph_capture, name, NaNGradients)
+    got = recompute_dropout_difference(cuda=graph_double, device="cpu", links=links)
+    assert got == float("inf")
 
 
 def test_the_trainer_recomputes_where_its_graphs_then_fit(monkeypatch, tmp_path) -> None:
