@@ -8,7 +8,7 @@ recorded operators again in order, on the same tensors, and writes each result i
 the capture produced. So, as on a GPU: a replay reads whatever its static inputs hold now and
 overwrites its static outputs and everything in between (saved activations included); Python
 in the region does not run again; random operators draw anew; the captured tensors' addresses
-never change.
+never change (a replay refuses to run where one has: a GPU would read the old memory).
 
 Memory pools, as the worst case a GPU allows. Captures into one pool (``graph(pool=)`` with a
 ``graph_pool_handle()``) may place what they allocate in memory an earlier capture of that pool
@@ -32,16 +32,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
 class _Record(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, list[torch.Tensor]]] = []
+        self.addresses: dict[int, tuple[torch.Tensor, int]] = {}  # every tensor an op read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.addresses.update((id(t), (t, t.data_ptr())) for t in _tensors((args, kwargs)))
         out = func(*args, **kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.ops.append((func, args, kwargs, outs))
+        self.ops.append((func, args, kwargs, _tensors(out)))
         return out
 
 
@@ -54,7 +59,7 @@ def _allocated(ops: list[tuple[Any, tuple, dict, list[torch.Tensor]]]) -> list[t
     result or a view of its arguments), one per storage."""
     made: dict[int, torch.Tensor] = {}
     for _func, args, kwargs, outs in ops:
-        read = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        read = {_storage(t) for t in _tensors((args, kwargs))}
         for t in outs:
             if t.is_floating_point() and _storage(t) not in read:
                 made.setdefault(_storage(t), t)
@@ -83,16 +88,21 @@ class CUDAGraph:
         self.replays = 0
         self.pool: Pool | None = None
         self.index = 0  # its place among its pool's captures
+        self.addresses: list[tuple[torch.Tensor, int]] = []  # what it read, where
 
     def replay(self) -> None:
         assert self.ops is not None and self.pool is not None, "replay before capture"
+        for t, address in self.addresses:
+            # a GPU's kernels read the captured address: a tensor since given other memory
+            # (``p.data = ...``, ``set_``, a resize) would be read stale there
+            assert t.data_ptr() == address, (
+                f"a tensor the graph reads ({tuple(t.shape)}, {t.dtype}) moved since the capture"
+            )
         for later in self.pool.captures[self.index + 1 :]:
             for t in later:
                 _poison(t)
         for func, args, kwargs, outs in self.ops:
-            fresh = [
-                t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)
-            ]
+            fresh = _tensors(func(*args, **kwargs))
             for old, new in zip(outs, fresh, strict=True):
                 if old is not new and old.data_ptr() != new.data_ptr():
                     old.copy_(new)
@@ -111,6 +121,7 @@ def graph(
     with record:
         yield
     cuda_graph.ops = record.ops
+    cuda_graph.addresses = list(record.addresses.values())
     cuda_graph.pool = pool if pool is not None else Pool()
     cuda_graph.index = len(cuda_graph.pool.captures)
     cuda_graph.pool.captures.append(_allocated(record.ops))

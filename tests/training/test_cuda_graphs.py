@@ -73,6 +73,24 @@ def test_the_graph_double_lets_a_replay_overwrite_what_later_captures_of_its_poo
     assert torch.equal(second_out, x * 2) and torch.equal(first_out, x * 2)
 
 
+def test_the_graph_double_refuses_a_replay_over_a_tensor_given_other_memory() -> None:
+    """A GPU graph reads the addresses it captured: a weight given new memory after the capture
+    (``p.data = ...``) would be read stale there, so the double's replay refuses it; an
+    in-place update (an optimizer step) replays with the new values."""
+    weight = nn.Parameter(torch.ones(3))
+    x = torch.ones(3)
+    g = graph_double.CUDAGraph()
+    with graph_double.graph(g, pool=graph_double.graph_pool_handle()):
+        out = weight * x
+    with torch.no_grad():
+        weight.add_(1.0)
+    g.replay()
+    assert torch.equal(out, torch.full((3,), 2.0))
+    weight.data = torch.full((3,), 5.0)
+    with pytest.raises(AssertionError, match="moved since the capture"):
+        g.replay()
+
+
 def test_the_planners_graph_set_is_what_a_built_stage_keeps() -> None:
     """planner.StagePlan's graph set and shared gradient bytes (what ``tools/plan_memory.py``
     and the trainer's allowance count) equal static_bytes and grad_buffer_bytes over the
