@@ -440,7 +440,11 @@ class GraphedRange:
         try:
             fn = self.factory(module, sample, self.pools[slot])
         except torch.OutOfMemoryError:
-            raise  # the trainer's one line about the stage's memory plan
+            shapes = ", ".join(str(tuple(a.shape)) for a in args)
+            self.log(
+                f"cuda graphs: {self.name}: capturing inputs of shapes {shapes} ran out of memory"
+            )
+            raise  # the trainer's one line about the stage's memory plan (memory_note)
         except RuntimeError as exc:
             shapes = ", ".join(str(tuple(a.shape)) for a in args)
             raise GraphCaptureError(
@@ -460,6 +464,31 @@ class GraphedRange:
                 f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved on the device"
             )
         return graph
+
+
+def memory_note(ranges: Sequence[GraphedRange]) -> str:
+    """What a stage's out-of-memory line adds about its graphs (``install``'s ``ranges``): ""
+    where none was captured; else their count and how to give their memory back (a graph keeps
+    its pool and static buffers outside the planned run, and a shape first seen late in a run
+    is captured then)."""
+    captured = sum(r.captures for r in ranges)
+    if not captured:
+        return ""
+    links = max(len(r.links) for r in ranges)
+    ways = "model.cuda_graphs=off"
+    longest = max(
+        sum(isinstance(f, _LAYER_TYPES) for f in link) for r in ranges for link in r.links
+    )
+    if ranges[0].recompute is not None and longest > 1:  # links of a layer are the shortest
+        ways = (
+            f"shorter links (model.cuda_graph_link_layers below {longest}: a smaller pool) or "
+            + ways
+        )
+    cut = f" in links ({links} at most)" if links > 1 else ""
+    return (
+        f", with {captured} CUDA graph(s) captured{cut}, whose pools and buffers sit outside "
+        f"the planned run: resume with {ways}"
+    )
 
 
 def layer_runs(funcs: Sequence[Any]) -> list[tuple[int, int]]:

@@ -187,6 +187,7 @@ class Trainer:
         )
         module.set_checkpoint_interval(self.ckpt_interval)
         self.recompute_for_graphs = False  # set below where the graphs want recompute
+        self.graph_ranges: list[cuda_graphs.GraphedRange] = []  # the stage's, where graphed
         self.fp32 = not (
             self.ds_config.get("fp16", {}).get("enabled")
             or self.ds_config.get("bf16", {}).get("enabled")
@@ -277,7 +278,7 @@ class Trainer:
             plan = stage_plan(cfg, self.world, self.device_memory, shapes)
             stage = plan.stage_plans[module.stage_id]
             memory, link_layers = plan.graph_allowance(stage), plan.link_layers(stage)
-        cuda_graphs.install(
+        self.graph_ranges = cuda_graphs.install(
             module,
             cfg.model.cuda_graphs,
             checkpoint_interval=self.ckpt_interval,
@@ -289,13 +290,15 @@ class Trainer:
 
     def describe_memory(self) -> str:
         """What the planner gave this rank's stage (for the out-of-memory line): its planned
-        peak against the device, and whether it recomputes."""
+        peak against the device, whether it recomputes, and its CUDA graphs if it captured any
+        (cuda_graphs.memory_note)."""
         plan = stage_plan(self.cfg, self.world, self.device_memory)
         peak = plan.stage_plans[self.stage_id].total(bool(self.ckpt_interval), plan.overhead)
         how = "recomputing every layer" if self.ckpt_interval else "without recompute"
+        graphs = cuda_graphs.memory_note(self.graph_ranges)
         return (
             f"stage {self.stage_id} was planned at {peak / 2**30:.1f} GiB of "
-            f"{self.device_memory / 2**30:.1f} GiB, {how}"
+            f"{self.device_memory / 2**30:.1f} GiB, {how}{graphs}"
         )
 
     def describe_recompute(self) -> str:

@@ -387,12 +387,18 @@ def test_a_capture_the_device_refuses_is_one_line_naming_the_way_out() -> None:
         def refuse(module, sample, pool, error=raised):
             raise error
 
-        _install(stage, refuse)
+        ranges, lines = _install(stage, refuse)
         batch = _batch(cfg, 2, 8, 6, 0)
         for _ in range(cuda_graphs.WARMUP):  # eager: no capture yet
             _loss_and_grads(stage, stage.forward, batch)
         with pytest.raises(caught) as info:
             stage.forward(batch)
+        assert cuda_graphs.memory_note(ranges) == ""  # nothing captured holds memory
+        if caught is torch.OutOfMemoryError:  # the log says where, the trainer's line what
+            assert lines[-1] == (
+                "cuda graphs: layers 1-3 of the stage: capturing inputs of shapes (2, 8, 32), "
+                "(2, 8), (2, 6) ran out of memory"
+            )
         if caught is cuda_graphs.GraphCaptureError:
             text = str(info.value)
             assert isinstance(info.value, UserError) and "\n" not in text
@@ -400,6 +406,32 @@ def test_a_capture_the_device_refuses_is_one_line_naming_the_way_out() -> None:
             assert "inputs of shapes (2, 8, 32)" in text
             assert "operation not permitted when stream is capturing more" in text
             assert text.endswith("train with model.cuda_graphs=off")
+
+
+@pytest.mark.parametrize(
+    ("recompute", "link_layers", "shorter"),
+    [(False, 0, ""), (True, 0, "below 2"), (True, 1, "")],
+    ids=["in-flight", "recomputing-whole", "links-of-a-layer"],
+)
+def test_the_out_of_memory_line_names_the_captured_graphs_and_how_to_free_them(
+    recompute, link_layers, shorter
+) -> None:
+    """cuda_graphs.memory_note, which the trainer's out-of-memory line carries: the graphs a
+    stage captured and the keys that give their memory back (shorter links where the stage
+    recomputes and its links are longer than a layer; the graphs off always)."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    kw = {"checkpoint_interval": 1, "link_layers": link_layers} if recompute else {}
+    ranges, _ = _install(stage, cuda=graph_double, **kw)  # the trainer's capture
+    batch = _batch(cfg, 2, 8, 6, 0)
+    for _ in range(cuda_graphs.WARMUP + 1):
+        _loss_and_grads(stage, stage.forward, batch)
+    note = cuda_graphs.memory_note(ranges)
+    assert note.startswith(", with 2 CUDA graph(s) captured") and "\n" not in note
+    links = f"shorter links (model.cuda_graph_link_layers {shorter}: a smaller pool) or "
+    assert note.endswith("resume with " + (links if shorter else "") + "model.cuda_graphs=off")
+    assert ("in links (2 at most)" in note) == bool(link_layers)
 
 
 def test_past_the_memory_allowance_a_range_runs_eagerly_said_once() -> None:

@@ -4,6 +4,8 @@ tests/slurm/test_node_loss.py): which backend errors count as a lost peer, and w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch.distributed as dist
 
@@ -64,6 +66,9 @@ def test_out_of_memory_is_one_line_with_the_stage_plan_and_exit_5(tmp_path, monk
 
     def update_then_oom(self, t: int):
         if t == 2:
+            # as a stage whose graphs a GPU captured (tests/training/test_cuda_graphs.py has
+            # the note on real captures): the line says so and how to free their memory
+            self.graph_ranges = [SimpleNamespace(captures=3, links=[[]], recompute=None)]
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
                 "79.19 GiB of which 1.05 GiB is free.\nOf the allocated memory 75.1 GiB is "
@@ -81,4 +86,5 @@ def test_out_of_memory_is_one_line_with_the_stage_plan_and_exit_5(tmp_path, monk
     assert line.startswith("error: rank 0: the device ran out of memory (CUDA out of memory.")
     assert "stage 0 was planned at " in line and "without recompute" in line
     assert "pipeline.activation_checkpoint_interval=1" in line and "tools/plan_memory.py" in line
+    assert "with 3 CUDA graph(s) captured" in line and "resume with model.cuda_graphs=off" in line
     assert not (tmp_path / LOCK_NAME).exists() and not (tmp_path / "latest").exists()
