@@ -103,6 +103,25 @@ def test_no_system_starts_past_the_time_budget(tmp_path, capsys) -> None:
     assert all("not run: the --max-minutes 0.5 are spent" in line for line in rows), out
 
 
+def test_each_system_runs_at_every_size_before_the_next(tmp_path, monkeypatch) -> None:
+    """RUN_ORDER system by system, each at both sizes: a time limit then cuts the anchors
+    and the compile, not train.py at 16,384 tokens (the 35% goal). The runs are stood in."""
+    ran = []
+
+    def stand_in(system, n):
+        ran.append((system, n))
+        return gpu_bench.Result(system, n, note="stood in")
+
+    monkeypatch.setattr(
+        gpu_bench, "run_train_py", lambda shape, n, u, d, w, e, system: stand_in(system, n)
+    )
+    monkeypatch.setattr(gpu_bench, "run_loop", lambda system, shape, n, u, d: stand_in(system, n))
+    monkeypatch.setattr(gpu_bench, "loop_skip_reason", lambda system, device: None)
+    gpu_bench.run_bench("cpu", (64, 128), 2, ("torch", "train.py", "torchscale"), tmp_path, [])
+    assert ran == [("train.py", 64), ("train.py", 128), ("torchscale", 64), ("torchscale", 128),
+                   ("torch", 64), ("torch", 128)]  # fmt: skip
+
+
 def test_the_table_says_what_the_runs_make_of_the_planners_rates() -> None:
     """Below the table, each train.py row's implied planner rate: eagerly the host's ms per
     layer pair (the update's time over its layers), with graphs the GPU's sustained TFLOP/s
