@@ -79,6 +79,7 @@ FRONT_DOORS: tuple[FrontDoor, ...] = (
     FrontDoor("fault_inject", "experiment", _E + "fault_inject"),
     FrontDoor("fault_sweep", "experiment", _E + "fault_sweep", "fault_sweep"),
     FrontDoor("gpu_bench", "experiment", _E + "gpu_bench", "gpu_bench", "mbn-gpu-bench"),
+    FrontDoor("graph_pool", "experiment", _E + "graph_pool"),
     FrontDoor("launches", "experiment", _E + "launches"),
     FrontDoor("probe_learning", "experiment", _E + "probe_learning", "probe_learning"),
     FrontDoor("source_dependence", "experiment", _E + "source_dependence", "source_dependence"),

@@ -98,6 +98,15 @@ caching allocator keeps them in blocks cut from larger segments, and micro-batch
 bucket shapes come and go. A margin, not a measurement: the H100 run measured the allocated
 peak only (9.85 GiB, planned now at 10.9 GiB without the fixed overhead); gpu-bench prints the
 reserved peak beside it, which is what a next GPU run should set this by."""
+CAPTURE_WORK_FFN = 2.0
+"""What a graph's memory pool holds beside the activations its forward keeps: the backward's
+working set at its peak, while every activation of the range is still live, in FFN-sized
+tensors: the gradient of the FFN's hidden state before and after the activation's backward (2
+x tokens x ffn) and the FFN's two weight gradients (2 x d x ffn), in the activation's dtype.
+Measured as the live peak of what a link's forward and backward allocate (what its capture
+allocates in its pool: experiments/graph_pool.py; tests/slurm/test_planner.py at several
+widths). The 10% margin alone had a link of a layer or two short: one encoder layer's peaked at
+1.45 times its planned pool at d=512, 4,096 tokens (docs/performance.md)."""
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """model/loss.py's ``CHUNK_ELEMENTS``: the logits it upcasts to fp32 at a time."""
 
@@ -334,6 +343,9 @@ class StagePlan:
     graph_links: tuple[tuple[int, float, float], ...] = ()
     """Per layer range: (its layers, one micro-batch's activations of one of them, the static
     bytes each further link adds where a recomputing stage cuts the range into links)."""
+    capture_work: float = 0.0
+    """What a graph pool holds beside a micro-batch's activations: the backward's working set
+    (:data:`CAPTURE_WORK_FFN`), with the allocator's margin; 0 without a layer range."""
     flops: float = 0.0
     """Matmul FLOPs of one micro-batch's forward and backward on the stage, recompute left out
     (:func:`matmul_flops` of its layers, and the output projection on the last stage)."""
@@ -453,16 +465,18 @@ class RunPlan:
         if recompute:
             pool = self._pool(stage, link_layers)
             free = self.gpu_memory - stage.total(True, self.overhead) - pool
-        else:
-            free = self.gpu_memory - stage.total(False, self.overhead) - stage.act_no_ckpt
+        else:  # each slot's pool: its micro-batch's activations and its backward's working set
+            pools = stage.act_no_ckpt + stage.in_flight * stage.capture_work
+            free = self.gpu_memory - stage.total(False, self.overhead) - pools
         return max(0.0, free)
 
     @staticmethod
     def _pool(stage: StagePlan, link_layers: int) -> float:
         """What a recomputing stage's one graph pool holds: one micro-batch's activations of
         its largest link (links of at most ``link_layers`` layers, as even as they go; 0: a
-        whole range), which only lives from its recompute to its backward."""
-        return max(
+        whole range), which only lives from its recompute to its backward, and the backward's
+        working set (:attr:`StagePlan.capture_work`)."""
+        return stage.capture_work + max(
             (math.ceil(n / link_count(n, link_layers)) * act for n, act, _ in stage.graph_links),
             default=stage.act_no_ckpt / max(stage.in_flight, 1),
         )
@@ -675,6 +689,13 @@ def layer_activation_bytes(
     return values + masks + 4 * lse_heads * m.num_attention_heads
 
 
+def capture_work(m: ModelConfig, tokens: int, act_bytes: float) -> float:
+    """Bytes of a graph backward's working set for one micro-batch of ``tokens`` tokens beside
+    the activations (:data:`CAPTURE_WORK_FFN`), with the allocator's margin."""
+    ffn_sized = tokens + m.hidden_size  # the hidden state's gradients, the weights' gradients
+    return CAPTURE_WORK_FFN * ffn_sized * m.ffn_hidden_size * act_bytes * ALLOCATOR_MARGIN
+
+
 def _activation_bytes(
     m: ModelConfig, enc: int, dec: int, tokens: int, act_bytes: float, interval: int
 ) -> tuple[float, float]:
@@ -817,6 +838,7 @@ def plan_run(
                 graph_grad_bytes=graph_grads,
                 layer_ranges=len(ranges),
                 graph_links=ranges,
+                capture_work=capture_work(m, tokens, prec.activation) if ranges else 0.0,
                 flops=layer_flops + output_flops,
                 recompute_flops=layer_flops / 3.0,
             )
