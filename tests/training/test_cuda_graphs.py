@@ -703,6 +703,44 @@ def test_a_recomputing_stage_keeps_one_graph_per_shape_and_computes_as_eager(
     assert len(stage.checkpointed) == cuda_graphs.WARMUP * layers  # replays never checkpoint
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["in-flight", "links"])
+def test_two_bucket_shapes_sharing_a_pool_compute_as_eager(recompute) -> None:
+    """Two bucket shapes in turn through one stage, whose graphs of both shapes share a pool (a
+    slot's, or a recomputing stage's one pool, here in links of a layer): each micro-batch past
+    the captures gives the eager loss and gradients bit for bit, with dropout, from the same
+    random state. On the graph double every replay of a shape's graphs fills with NaN what the
+    other shape's later captures allocated in the pool (tests/training/graph_double.py), as a
+    GPU may overwrite it: an output read after another shape's replay would show."""
+    cfg = tiny_config(residual="branchnorm", branchnorm_steps=10, dropout=0.1,
+                      encoder_layers=3, decoder_layers=3)  # fmt: skip
+    torch.manual_seed(0)
+    stage = _stage(cfg)
+    eager_funcs = list(stage.forward_funcs)
+    kw = {"checkpoint_interval": 1, "link_layers": 1} if recompute else {}
+    if recompute:
+        stage.set_checkpoint_interval(1)
+    ranges, _ = _install(stage, cuda=graph_double, **kw)
+    shapes, compared = ((2, 8, 6), (3, 5, 7)), 0
+    for i in range(cuda_graphs.WARMUP + 3):
+        set_branch_scale(stage.layers, cfg, i + 1)
+        for j, (rows, s, t) in enumerate(shapes):
+            batch, captures = _batch(cfg, rows, s, t, 10 * i + j), sum(r.captures for r in ranges)
+            state = torch.get_rng_state()
+            got = _loss_and_grads(stage, stage.forward, batch)
+            if sum(r.captures for r in ranges) != captures or i < cuda_graphs.WARMUP:
+                continue  # eager, or a capture drew random numbers before the replay
+            torch.set_rng_state(state)
+            fresh = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in batch)
+            want = _loss_and_grads(stage, eager_funcs, fresh)
+            assert torch.equal(got[0], want[0]), (i, j)
+            for a, b in ((got[1], want[1]), (got[3], want[3])):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (i, j)
+            compared += 1
+    assert [r.captures for r in ranges] == [2, 2] and compared == 4
+    pools = {id(p) for r in ranges for p in r.pools.values()}
+    assert len(pools) == (1 if recompute else 2)  # the stage's one, or each range's slot 0
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal to float rounding, relative to the tensor's size (the encoder's gradients through
     the encoder output are ~1e-10 here)."""
