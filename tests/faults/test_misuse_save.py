@@ -65,20 +65,39 @@ def test_a_resume_whose_data_parallel_size_cannot_keep_the_global_batch_is_one_l
     assert sorted(p.name for p in save_dir.iterdir()) == before
 
 
-@pytest.mark.parametrize("delay_s", [0.1, 0.3, 0.6, 1.0, 1.6, 2.5])
-def test_ctrl_c_while_train_imports_is_one_line(tmp_path: Path, delay_s: float) -> None:
+def _wait_for_the_stop_signal_handlers(proc: subprocess.Popen) -> None:
+    """Return once train.py has run ``stop_signals.install()``, the first thing its code does
+    (SIGTERM, which Python leaves alone, is then caught: /proc/PID/status's SigCgt). From there
+    on a Ctrl-C is train.py's to handle; before it, Python is still starting, which is not."""
+    caught = 1 << (signal.SIGTERM - 1)
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        for line in status.read_text().splitlines():
+            if line.startswith("SigCgt:") and int(line.split()[1], 16) & caught:
+                return
+        time.sleep(0.001)  # a poll of the event, not a delay the verdict depends on
+    raise AssertionError(f"train.py exited {proc.returncode} before it installed its handlers")
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.1, 0.3, 0.6, 1.0, 2.0])
+def test_ctrl_c_while_train_imports_is_one_line(tmp_path: Path, after_s: float) -> None:
     """Wherever the interrupt lands in starting up (our imports, then torch, NumPy and
     DeepSpeed's, which swallow a KeyboardInterrupt in places: NumPy was left without
-    ``multiply``, a traceback, exit 1), it ends the run with one line and exit 130."""
+    ``multiply``, a traceback, exit 1), it ends the run with one line and exit 130. The
+    interrupt comes ``after_s`` past the event that train.py handles signals (not a delay from
+    the process's start, which at 0.1 s once landed in Python's own start-up beside other
+    jobs); each delay only moves where it lands, and the run is too long to end first."""
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={tmp_path / 'run'}"],
+        [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={tmp_path / 'run'}",
+         "train.max_steps=100000"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal has it
-    )
-    time.sleep(delay_s)
+    )  # fmt: skip
+    _wait_for_the_stop_signal_handlers(proc)
+    time.sleep(after_s)  # where it lands; any place past the event must give the same verdict
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
