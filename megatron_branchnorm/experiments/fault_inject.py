@@ -13,6 +13,8 @@ The faults, comma-separated items of :data:`FAULT_ENV`:
 at POINT of the save at step N (default the first save); POINT is one of :data:`SAVE_POINTS`;
 ``save_interrupt@POINT[:rankR][:stepN]``: the same place raises KeyboardInterrupt (Ctrl-C);
 ``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run);
+``hold@PATH``: before every update after the first, wait until PATH exists (a test holds a
+run mid-training for as long as it needs, and lets it go on by creating PATH);
 ``enospc@PHASE[:rankR]``: rank R (default 0) gets ENOSPC ("no space left on device") in PHASE:
 ``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (a row
 of rank 0's ``metrics.jsonl``).
@@ -77,6 +79,8 @@ def parse_faults(spec: str) -> dict:
                 faults[kind] = entry
             elif kind == "slow":
                 faults[kind] = float(rest)
+            elif kind == "hold" and rest:
+                faults[kind] = rest
             elif kind == "enospc" and fields[0] in ("engine", "manifest", "metrics"):
                 entry = {"phase": fields[0], "rank": 0}
                 for f in fields[1:]:
@@ -107,7 +111,7 @@ class Injector:
     """The faults of one spec, installed by patching around the trainer's code
     (:meth:`install`, :meth:`uninstall`). Where each lands:
 
-    - ``slow``, ``nan_loss``, ``inf_grad`` (armed): around ``Trainer._update``; ``nan_loss``
+    - ``slow``, ``hold``, ``nan_loss``, ``inf_grad`` (armed): around ``Trainer._update``; ``nan_loss``
       sets the loss function's scale to NaN as the update's ``engine.train_batch`` starts;
     - ``inf_grad``: ``grad_norm.pipeline_grad_norm`` (the fp32 all-stage norm) first sets one
       gradient element of the stage to +inf;
@@ -224,6 +228,9 @@ class Injector:
         def _update(trainer, t: int):
             if "slow" in injector.faults:
                 time.sleep(injector.faults["slow"])
+            if "hold" in injector.faults and t > 1:
+                while not os.path.exists(injector.faults["hold"]):
+                    time.sleep(0.05)  # a poll of the test's event
             nan = injector._due("nan_loss", t)
             injector.pending_inf = injector._due("inf_grad", t)
             injector.trainer = trainer

@@ -269,10 +269,11 @@ def test_release_leaves_another_runs_lock(tmp_path):
 
 
 def test_second_train_in_the_same_save_dir_refuses_to_start(tmp_path):
-    save_dir = tmp_path / "run"
-    # 5 s before each update: the second start (imports, then the lock) must come while the
-    # first still trains; at 2 s a loaded 2-core machine let the first finish first (exit 0)
-    first = start(save_dir, ["train.max_steps=3", "train.save_interval=0"], fault="slow@5")
+    save_dir, go = tmp_path / "run", tmp_path / "go"
+    # the first run is held before its second update until the second start has been refused
+    # (before, a sleep before each update had to outlast the second start: at 2 s a loaded
+    # 2-core machine let the first finish first, exit 0)
+    first = start(save_dir, ["train.max_steps=3", "train.save_interval=0"], fault=f"hold@{go}")
     deadline = time.time() + 240
     while not records(save_dir) and time.time() < deadline and first[0].poll() is None:
         time.sleep(0.2)
@@ -280,6 +281,7 @@ def test_second_train_in_the_same_save_dir_refuses_to_start(tmp_path):
     (second,) = train(save_dir, ["train.max_steps=3", "train.save_interval=0"])
     line = error_line(second)
     assert f"{save_dir / LOCK_NAME}: another run trains in this train.save_dir (pid" in line
+    go.touch()  # the first run goes on
     ((code, _, stderr),) = finish(first)
     assert code == 0, stderr[-3000:]
     assert [r["step"] for r in records(save_dir)] == [1, 2, 3]
