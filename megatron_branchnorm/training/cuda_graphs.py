@@ -424,9 +424,8 @@ class GraphedRange:
         if refusal is not None:
             if not state.said_eager:
                 state.said_eager = True
-                shapes = ", ".join(str(tuple(a.shape)) for a in args)
                 self.log(
-                    f"cuda graphs: {self.name}: inputs of shapes {shapes} (in-flight slot "
+                    f"cuda graphs: {self.name}: inputs of shapes {_shapes(args)} (in-flight slot "
                     f"{slot}) run eagerly: {refusal}"
                 )
             return None
@@ -440,22 +439,22 @@ class GraphedRange:
         try:
             fn = self.factory(module, sample, self.pools[slot])
         except torch.OutOfMemoryError:
-            shapes = ", ".join(str(tuple(a.shape)) for a in args)
             self.log(
-                f"cuda graphs: {self.name}: capturing inputs of shapes {shapes} ran out of memory"
+                f"cuda graphs: {self.name}: capturing inputs of shapes {_shapes(args)} ran out "
+                "of memory"
             )
             raise  # the trainer's one line about the stage's memory plan (memory_note)
         except RuntimeError as exc:
-            shapes = ", ".join(str(tuple(a.shape)) for a in args)
             raise GraphCaptureError(
                 f"cuda graphs: {self.name}: the device refused to capture inputs of shapes "
-                f"{shapes} ({one_line(str(exc))[:200]}); train with model.cuda_graphs=off"
+                f"{_shapes(args)} ({one_line(str(exc))[:200]}); train with model.cuda_graphs=off"
             ) from exc
         graph = state.slots[slot] = _Graph(fn)
         self.captures += 1
         if self.captures == 1:
-            shapes = ", ".join(str(tuple(a.shape)) for a in args)
-            self.log(f"cuda graphs: {self.name}: first graph captured, inputs of shapes {shapes}")
+            self.log(
+                f"cuda graphs: {self.name}: first graph captured, inputs of shapes {_shapes(args)}"
+            )
         if self.captures & (self.captures - 1) == 0 and torch.cuda.is_available():
             # 1, 2, 4, ... graphs: what the pools and buffers really take (a pool shared by
             # several shapes may grow past one micro-batch's activations: design §19)
@@ -464,6 +463,11 @@ class GraphedRange:
                 f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved on the device"
             )
         return graph
+
+
+def _shapes(args: Sequence[torch.Tensor]) -> str:
+    """A call's input shapes, as the log lines and errors name them."""
+    return ", ".join(str(tuple(a.shape)) for a in args)
 
 
 def memory_note(ranges: Sequence[GraphedRange]) -> str:
@@ -475,15 +479,11 @@ def memory_note(ranges: Sequence[GraphedRange]) -> str:
     if not captured:
         return ""
     links = max(len(r.links) for r in ranges)
+    longest = max(sum(isinstance(f, _LAYER_TYPES) for f in k) for r in ranges for k in r.links)
     ways = "model.cuda_graphs=off"
-    longest = max(
-        sum(isinstance(f, _LAYER_TYPES) for f in link) for r in ranges for link in r.links
-    )
     if ranges[0].recompute is not None and longest > 1:  # links of a layer are the shortest
-        ways = (
-            f"shorter links (model.cuda_graph_link_layers below {longest}: a smaller pool) or "
-            + ways
-        )
+        shorter = f"model.cuda_graph_link_layers below {longest}: a smaller pool"
+        ways = f"shorter links ({shorter}) or {ways}"
     cut = f" in links ({links} at most)" if links > 1 else ""
     return (
         f", with {captured} CUDA graph(s) captured{cut}, whose pools and buffers sit outside "
