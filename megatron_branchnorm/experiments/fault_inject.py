@@ -13,8 +13,9 @@ The faults, comma-separated items of :data:`FAULT_ENV`:
 at POINT of the save at step N (default the first save); POINT is one of :data:`SAVE_POINTS`;
 ``save_interrupt@POINT[:rankR][:stepN]``: the same place raises KeyboardInterrupt (Ctrl-C);
 ``slow@SECONDS``: sleep before every update (gives a test time to kill a rank mid-run);
-``hold@PATH``: before every update after the first, wait until PATH exists (a test holds a
-run mid-training for as long as it needs, and lets it go on by creating PATH);
+``hold@PATH``: before every update after the first, wait until PATH exists or a stop signal
+is recorded (a test holds a run mid-training for as long as it needs, and lets it go on by
+creating PATH; a held run stops on SIGTERM as an unheld one does);
 ``enospc@PHASE[:rankR]``: rank R (default 0) gets ENOSPC ("no space left on device") in PHASE:
 ``engine`` (its files of a save), ``manifest`` (rank 0's files of a save), ``metrics`` (a row
 of rank 0's ``metrics.jsonl``).
@@ -229,8 +230,10 @@ class Injector:
             if "slow" in injector.faults:
                 time.sleep(injector.faults["slow"])
             if "hold" in injector.faults and t > 1:
-                while not os.path.exists(injector.faults["hold"]):
-                    time.sleep(0.05)  # a poll of the test's event
+                # a poll of the test's event; a stop signal ends the wait too, so that the
+                # update runs and the trainer stops after it as it would unheld
+                while not os.path.exists(injector.faults["hold"]) and not stop_signals.received():
+                    time.sleep(0.05)
             nan = injector._due("nan_loss", t)
             injector.pending_inf = injector._due("inf_grad", t)
             injector.trainer = trainer

@@ -5,13 +5,15 @@ into a run without a fault), and uninstalling puts every original back."""
 
 from __future__ import annotations
 
+import signal
+import time
 import types
 
 import pytest
 import torch
 
 from megatron_branchnorm.experiments.fault_inject import Injector, injecting, parse_faults
-from megatron_branchnorm.training import checkpointer, grad_norm, metrics, trainer
+from megatron_branchnorm.training import checkpointer, grad_norm, metrics, stop_signals, trainer
 
 EVERY_PATCH = (
     (trainer.Trainer, "_update"),
@@ -81,3 +83,27 @@ def test_an_inherited_method_is_patched_on_the_class_and_deleted_again():
     assert Child().save() == "patched base" and Base().save() == "base"
     injector.uninstall()
     assert "save" not in Child.__dict__ and Child().save() == "base"
+
+
+@pytest.mark.parametrize("released_by", ["path", "signal"])
+def test_a_held_update_goes_on_when_released_or_signalled(tmp_path, monkeypatch, released_by):
+    """``hold@PATH`` waits before updates after the first until PATH exists, or until a stop
+    signal is recorded (the update then runs and the trainer stops after it, as unheld)."""
+    go = tmp_path / "go"
+    calls = []
+    update = Injector(parse_faults(f"hold@{go}"))._wrap_update(lambda _, t: calls.append(t))
+    update(None, 1)  # the first update is never held
+    assert calls == [1]
+    polls = []
+
+    def sleep(_seconds):  # each poll releases the hold on its first turn: no wall clock
+        polls.append(1)
+        assert len(polls) == 1, "still held after its release"
+        if released_by == "path":
+            go.touch()
+        else:
+            monkeypatch.setattr(stop_signals, "_received", signal.SIGTERM)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    update(None, 2)
+    assert calls == [1, 2] and len(polls) == 1
