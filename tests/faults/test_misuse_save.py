@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
+from megatron_branchnorm.experiments.fault_runs import handles_signal
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.training.run_lock import LOCK_NAME
 from tests.faults.common import TRAIN
@@ -69,12 +70,9 @@ def _wait_for_the_stop_signal_handlers(proc: subprocess.Popen) -> None:
     """Return once train.py has run ``stop_signals.install()``, the first thing its code does
     (SIGTERM, which Python leaves alone, is then caught: /proc/PID/status's SigCgt). From there
     on a Ctrl-C is train.py's to handle; before it, Python is still starting, which is not."""
-    caught = 1 << (signal.SIGTERM - 1)
-    status = Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
-        for line in status.read_text().splitlines():
-            if line.startswith("SigCgt:") and int(line.split()[1], 16) & caught:
-                return
+        if handles_signal(proc.pid, signal.SIGTERM):
+            return
         time.sleep(0.001)  # a poll of the event, not a delay the verdict depends on
     raise AssertionError(f"train.py exited {proc.returncode} before it installed its handlers")
 
