@@ -142,3 +142,68 @@ def write_json_atomic(path: Path, data: object, **dumps) -> None:
     tmp = path.parent / f".{path.name}.tmp"
     tmp.write_text(json.dumps(data, **dumps) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is not a relative path inside a directory, checked as text before any file
+    is touched (a string, not empty, no NUL, not absolute, no ``..`` part, no backslash); None
+    when it is one. A manifest's name never makes us stat, read, hash or write a file outside
+    its directory."""
+    if not isinstance(name, str):
+        return f"must be a file name (a string), got {quote(name)}"
+    if not name or "\0" in name or "\\" in name:
+        return f"{quote(name)} is not a file name"
+    if name.startswith("/") or os.path.isabs(name):
+        return f"{quote(name)} is an absolute path; only names inside the directory are allowed"
+    if any(part == ".." for part in name.split("/")):
+        return f"{quote(name)} leaves the directory ('..'); only names inside it are allowed"
+    if not [part for part in name.split("/") if part not in ("", ".")]:
+        return f"{quote(name)} is not a file name"
+    return None
+
+
+def file_inside(
+    directory: str | Path,
+    name: object,
+    where: str | Path,
+    key: str,
+    error: type[Exception] = FileShapeError,
+    must_exist: bool = True,
+) -> Path:
+    """The file ``name`` names inside ``directory``, as a manifest (``where``, its ``key``)
+    names it: the one rule of every manifest reader (a DATA_DIR's ``manifest.json``, an
+    export's ``export.json``, a checkpoint's ``checksums.json``, a run's marker and records).
+
+    ``name`` must pass :func:`name_problem` (checked as text first), resolve inside
+    ``directory`` (no symbolic link on the way leads out of it), and be a regular file that is
+    not itself a link. ``error`` with one line naming ``where`` and ``key`` otherwise; with
+    ``must_exist`` False a missing file is allowed (the path is returned) but everything else
+    is still checked."""
+    problem = name_problem(name)
+    if problem:
+        raise error(f"{where}: key {key}: {problem}")
+    base = Path(directory)
+    path = base / name
+    try:
+        root = base.resolve(strict=True)
+        resolved = path.resolve(strict=False)
+    except (OSError, RuntimeError) as exc:  # a link loop, an unreadable directory
+        raise error(
+            f"{where}: key {key}: {quote(name)} cannot be resolved ({one_line(exc)})"
+        ) from None
+    if resolved != root and root not in resolved.parents:
+        raise error(f"{where}: key {key}: {quote(name)} leads out of {base} (a symbolic link)")
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        if must_exist:
+            raise error(f"{path}: missing (named by key {key} of {where})") from None
+        return path
+    except OSError as exc:
+        raise error(f"{path}: unreadable ({one_line(exc.strerror or exc)})") from None
+    if stat.S_ISLNK(mode):
+        raise error(f"{path}: a symbolic link (named by key {key} of {where}); not allowed")
+    if not stat.S_ISREG(mode):
+        what = next((label for test, label in _NOT_REGULAR if test(mode)), "not a file")
+        raise error(f"{path}: {what}, not a regular file (named by key {key} of {where})")
+    return path
