@@ -11,11 +11,19 @@ the SentencePiece model and ``checksums.json`` over every file of the tag, and o
 checksums is incomplete and never loaded.
 
 A checkpoint is not trusted code: ``latest`` and every tag are a ``global_stepN`` directory
-inside the save_dir (never a path or a link out of it), the manifest lists plain file names of
-its tag, and no file is unpickled beyond tensors, containers, numbers, strings and the few
-DeepSpeed types of :data:`ALLOWED_GLOBALS` (``torch.load(weights_only=True)`` here, in
-formats/checkpoint_state.py and in DeepSpeed's own load:
-megatron_branchnorm/training/checkpoint_engine.py).
+inside the save_dir (never a path or a link out of it), and no file is unpickled beyond
+tensors, containers, numbers, strings and the few DeepSpeed types of :data:`ALLOWED_GLOBALS`
+(``torch.load(weights_only=True)`` here, in formats/checkpoint_state.py and in DeepSpeed's own
+load: megatron_branchnorm/training/checkpoint_engine.py).
+
+A tag directory is exactly what its ``checksums.json`` lists (:func:`check_listing`): the
+manifest lists only the names a save writes, exactly as the functions below spell them
+(:func:`is_saved_name`: ``layer_001-...`` or ``layer_01-x-...`` would be a second name for
+layer 1, which DeepSpeed's load globs as ``layer_01-*model_states.pt``); every entry of the
+tag is a regular file it lists, none a symbolic link; and every reader takes the names from
+the manifest (:func:`listed_files`), never from a directory listing. A complete save leaves
+nothing else in a tag (its temporary files are renamed before the manifest is written), so
+anything else, a dot-file included, is refused by name before any file is read.
 
 The files of a tag directory (DeepSpeed 0.19.8 names the first three):
 
@@ -47,6 +55,7 @@ from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import (
     MAX_JSON_BYTES,
     FileShapeError,
+    name_problem,
     one_line,
     quote,
     read_json_object,
@@ -69,6 +78,8 @@ SPM_IN_CHECKPOINT = "spm.model"
 ``train_config.json``'s ``vocab.spm_sha256``)."""
 
 _TAG = re.compile(r"^global_step(0|[1-9][0-9]*)$")
+RNG_FILE = re.compile(r"^rng_state_rank([0-9]{4,})\.pt$")
+"""Our RNG state of one rank; group 1 is the rank."""
 LAYER_FILE = re.compile(r"^layer_([0-9]{2,})-model_states\.pt$")
 """DeepSpeed's file of one entry of the layer list; group 1 is the index."""
 ENGINE_FILE = re.compile(r"^mp_rank_([0-9]{2,})_model_states\.pt$")
@@ -151,9 +162,12 @@ def layer_file(index: int) -> str:
 
 
 def layer_index(name: str) -> int | None:
-    """The layer-list index of a layer file's name; None for any other file."""
+    """The layer-list index of a layer file's name as :func:`layer_file` spells it; None for
+    any other name (``layer_001-model_states.pt`` included: one index has one name)."""
     match = LAYER_FILE.fullmatch(name)
-    return int(match.group(1)) if match else None
+    if match is None or name != layer_file(int(match.group(1))):
+        return None
+    return int(match.group(1))
 
 
 def engine_file(stage: int) -> str:
@@ -171,10 +185,42 @@ def rng_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"rng_state_rank{rank:04d}.pt"
 
 
-def layer_files(tag_dir: Path) -> dict[int, Path]:
-    """{layer-list index: layer file} of a tag directory."""
+def is_saved_name(name: str) -> bool:
+    """Whether ``name`` is the name of a file a save writes into a tag, spelled exactly as
+    :func:`layer_file`, :func:`engine_file`, :func:`optim_file` and :func:`rng_file` spell it
+    (no other zero padding, nothing added), or ``train_config.json`` or ``spm.model``. The
+    manifest itself is none of them."""
+    if name in (TRAIN_CONFIG, SPM_IN_CHECKPOINT):
+        return True
+    if layer_index(name) is not None:
+        return True
+    match = ENGINE_FILE.fullmatch(name)
+    if match:
+        return name == engine_file(int(match.group(1)))
+    match = OPTIM_FILE.fullmatch(name)
+    if match:
+        bf16, dp, stage = match.groups()
+        return name == optim_file(int(dp), int(stage), bf16 is not None)
+    match = RNG_FILE.fullmatch(name)
+    return match is not None and name == rng_file(Path(), int(match.group(1))).name
+
+
+def listed_files(tag_dir: Path, manifest: dict | None = None) -> list[Path]:
+    """The files of a tag by the exact names its manifest lists, sorted: ``manifest`` as
+    :func:`verify_checkpoint` returned it, or (None) the tag's ``checksums.json`` read again.
+    Never a directory listing: an entry the manifest does not list is no file of the
+    checkpoint. CheckpointError naming the manifest when it is not one the trainer wrote."""
+    tag_dir = Path(tag_dir)
+    if manifest is None:
+        manifest = read_manifest(tag_dir)
+    return [tag_dir / name for name in sorted(manifest_entries(tag_dir / MANIFEST, manifest))]
+
+
+def layer_files(tag_dir: Path, manifest: dict | None = None) -> dict[int, Path]:
+    """{layer-list index: layer file} of a tag directory, from the names its manifest lists
+    (:func:`listed_files`)."""
     out = {}
-    for path in Path(tag_dir).iterdir():
+    for path in listed_files(tag_dir, manifest):
         idx = layer_index(path.name)
         if idx is not None:
             out[idx] = path
@@ -182,12 +228,24 @@ def layer_files(tag_dir: Path) -> dict[int, Path]:
 
 
 def write_manifest(tag_dir: Path, step: int) -> None:
-    """Checksums of every file in ``tag_dir`` (rank 0, after all ranks saved)."""
-    files = sorted(
-        p
-        for p in tag_dir.iterdir()
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")  # .tmp leftovers
-    )
+    """Checksums of every file in ``tag_dir`` (rank 0, after all ranks saved).
+
+    A complete save leaves only files of the names it writes there (its temporary files are
+    renamed before this runs), so any other entry (a dot-file, a second name of a layer's
+    file, a directory, a FIFO, a symbolic link) is a CheckpointError naming it and no
+    manifest is written: the tag stays incomplete, never a checkpoint its own check refuses."""
+    tag_dir = Path(tag_dir)
+    files = []
+    for name in sorted(os.listdir(tag_dir)):
+        path = tag_dir / name
+        if name == MANIFEST:
+            continue
+        if not is_saved_name(name) or path.is_symlink() or not path.is_file():
+            raise CheckpointError(
+                f"{_entry_where(tag_dir, name)}: {_entry_kind(path)} that no save writes into "
+                f"a checkpoint; {MANIFEST} not written (move it out of the tag and save again)"
+            )
+        files.append(path)
     manifest = {
         "step": step,
         "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
@@ -293,26 +351,47 @@ def resume_tag(save_dir: Path) -> tuple[str | None, list[str]]:
     return tag, notes
 
 
-def verify_checkpoint(tag_dir: Path) -> dict:
-    """Check a checkpoint before anything in it is read; returns its manifest.
+def read_manifest(tag_dir: Path) -> dict:
+    """The JSON object of a tag's ``checksums.json`` (not a symbolic link), unchecked;
+    CheckpointError naming it when it is missing (an incomplete checkpoint) or unreadable."""
+    manifest_path = Path(tag_dir) / MANIFEST
+    if manifest_path.is_symlink():
+        raise CheckpointError(f"{manifest_path}: a symbolic link; a checkpoint's files are its own")
+    return read_json_object(
+        manifest_path, CheckpointError, missing="missing: the checkpoint is incomplete"
+    )
+
+
+def check_listing(tag_dir: Path) -> dict:
+    """The manifest of a tag whose directory holds exactly the files it lists; nothing but the
+    manifest is opened (entries are looked at with ``lstat``), so a reader may call it before
+    it reads any file of the tag.
 
     The tag directory must be a real one (:func:`tag_problem`), its ``checksums.json`` of the
-    shape :func:`write_manifest` writes, each file it lists a plain name of the tag (no path,
-    no link) with the listed size and SHA-256, and each torch file among them free of objects
-    a checkpoint never holds (:func:`check_torch_file`). CheckpointError, one line naming the
-    file or the manifest's entry, otherwise.
-    """
+    shape :func:`write_manifest` writes (:func:`manifest_entries`: only names a save writes),
+    every entry of the directory but the manifest listed (an unlisted file, FIFO, directory or
+    link of any name is refused: DeepSpeed's load globs, and a second name of a layer's file
+    would be read), and every listed file a regular file, not a symbolic link.
+    CheckpointError, one line naming the entry or the manifest's entry, otherwise."""
     tag_dir = Path(tag_dir)
     problem = tag_problem(tag_dir.parent, tag_dir.name)
     if problem:
         raise CheckpointError(f"{tag_dir}: {problem}")
     manifest_path = tag_dir / MANIFEST
-    if manifest_path.is_symlink():
-        raise CheckpointError(f"{manifest_path}: a symbolic link; a checkpoint's files are its own")
-    manifest = read_json_object(
-        manifest_path, CheckpointError, missing="missing: the checkpoint is incomplete"
-    )
-    for name, (digest, size) in manifest_entries(manifest_path, manifest).items():
+    manifest = read_manifest(tag_dir)
+    entries = manifest_entries(manifest_path, manifest)
+    try:
+        present = sorted(os.listdir(tag_dir))
+    except OSError as exc:
+        raise CheckpointError(f"{tag_dir}: unreadable ({one_line(exc.strerror or exc)})") from None
+    for name in present:
+        if name != MANIFEST and name not in entries:
+            raise CheckpointError(
+                f"{_entry_where(tag_dir, name)}: {_entry_kind(tag_dir / name)} that {MANIFEST} "
+                "does not list; a checkpoint holds only the files its save wrote (move it out "
+                "of the tag)"
+            )
+    for name in entries:
         path = tag_dir / name
         try:
             mode = path.lstat().st_mode
@@ -325,7 +404,49 @@ def verify_checkpoint(tag_dir: Path) -> dict:
             )
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{path}: not a regular file (listed in {MANIFEST})")
-        actual = path.stat().st_size
+    return manifest
+
+
+def _entry_where(tag_dir: Path, name: str) -> str:
+    """An entry of a tag for a message: its path, or the quoted name when it would not print
+    on one line."""
+    return str(tag_dir / name) if name.isprintable() else f"{tag_dir}: entry {quote(name)}"
+
+
+def _entry_kind(path: Path) -> str:
+    """What an entry of a directory is, for a message (``lstat``: nothing is opened)."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return "an entry"
+    for test, what in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+    ):
+        if test(mode):
+            return what
+    return "a special file"
+
+
+def verify_checkpoint(tag_dir: Path) -> dict:
+    """Check a checkpoint before anything in it is read; returns its manifest.
+
+    The tag directory must hold exactly the files its ``checksums.json`` lists
+    (:func:`check_listing`, before any file is read), each with the listed size and SHA-256,
+    and each torch file among them free of objects a checkpoint never holds
+    (:func:`check_torch_file`). CheckpointError, one line naming the file or the manifest's
+    entry, otherwise.
+    """
+    tag_dir = Path(tag_dir)
+    manifest = check_listing(tag_dir)
+    for name, (digest, size) in manifest_entries(tag_dir / MANIFEST, manifest).items():
+        path = tag_dir / name
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})") from None
         if actual != size:
             raise CheckpointError(f"{path}: {actual} bytes, {size} expected (truncated?)")
         if sha256_file(path) != digest:
@@ -340,9 +461,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def manifest_entries(manifest_path: Path, manifest: dict) -> dict[str, tuple[str, int]]:
     """{file name: (hex SHA-256, bytes)} of a checkpoint's manifest (the JSON object of
-    ``manifest_path``), each name a plain file name of the tag: not empty, no ``/``, not
-    ``.`` or ``..``, no NUL. CheckpointError naming the manifest and the key or entry for any
-    other shape; the names are checked as text, no file is touched."""
+    ``manifest_path``), each name a plain file name of the tag (``formats.files.name_problem``
+    and no ``/``) that a save writes (:func:`is_saved_name`). CheckpointError naming the
+    manifest and the key or entry for any other shape; the names are checked as text, no file
+    is touched."""
 
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{manifest_path}: {what} (not a manifest the trainer wrote)")
@@ -355,8 +477,14 @@ def manifest_entries(manifest_path: Path, manifest: dict) -> dict[str, tuple[str
         raise bad(f"key 'files' must be an object of file name -> checksum, got {quote(files)}")
     out = {}
     for name, info in files.items():
-        if name in ("", ".", "..") or "/" in name or "\0" in name:
+        if name_problem(name) or "/" in name:
             raise bad(f"entry {quote(name)} is not a plain file name of the tag")
+        if not is_saved_name(name):
+            raise bad(
+                f"entry {quote(name)} is not a file a save writes (it writes each name "
+                f"exactly as {layer_file(1)}, {engine_file(0)}, {rng_file(Path(), 0).name}: "
+                "one name per file)"
+            )
         if not isinstance(info, dict):
             raise bad(f"entry {quote(name)} must be an object with sha256 and bytes")
         digest, size = info.get("sha256"), info.get("bytes")

@@ -6,7 +6,8 @@ a bf16 run (:func:`read_master_weights`), and Adam's state per parameter
 
 The files' names are formats/checkpoint.py's (``LAYER_FILE``, ``ENGINE_FILE``,
 ``OPTIM_FILE``), and so is the check of a checkpoint before any of it is read
-(``verify_checkpoint``); the record is formats/train_config.py's. Every file is read with
+(``verify_checkpoint``); a file is read only by a name its manifest lists
+(``listed_files``), never found by a directory listing. The record is formats/train_config.py's. Every file is read with
 ``torch.load(weights_only=True)``; the one DeepSpeed object pickled in them
 (``fragment_address``) is read into a stand-in (:class:`FragmentAddress`), so this module
 imports no DeepSpeed.
@@ -24,6 +25,7 @@ from megatron_branchnorm.formats.checkpoint import (
     OPTIM_FILE,
     CheckpointError,
     layer_files,
+    listed_files,
     verify_checkpoint,
 )
 from megatron_branchnorm.formats.files import one_line
@@ -52,13 +54,12 @@ def read_checkpoint(
     read with ``torch.load(weights_only=True)``. ``info``: the tag's record when the caller
     has read it already."""
     tag_dir = Path(tag_dir)
-    if verify:
-        verify_checkpoint(tag_dir)
+    manifest = verify_checkpoint(tag_dir) if verify else None
     if info is None:
         info = read_train_record(tag_dir)
     names = info.need("spec_names")
     state: dict[str, torch.Tensor] = {}
-    for idx, path in sorted(layer_files(tag_dir).items()):
+    for idx, path in sorted(layer_files(tag_dir, manifest).items()):
         if idx not in names:
             raise CheckpointError(f"{path}: layer index {idx} is not in the saved layout")
         if indices is not None and idx not in indices:
@@ -111,9 +112,10 @@ def bf16_optim_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
 
 def optim_files(tag_dir: Path, bf16_only: bool = False) -> dict[int, dict[int, Path]]:
     """{stage: {data-parallel rank: file}} of a tag's partitioned optimizer files (ZeRO or
-    BF16; {}: none, the optimizer state is in the engine files)."""
+    BF16; {}: none, the optimizer state is in the engine files), from the names its manifest
+    lists."""
     files: dict[int, dict[int, Path]] = {}
-    for path in Path(tag_dir).iterdir():
+    for path in listed_files(tag_dir):
         match = OPTIM_FILE.fullmatch(path.name)
         if match and (match.group(1) or not bf16_only):
             files.setdefault(int(match.group(3)), {})[int(match.group(2))] = path
@@ -209,7 +211,7 @@ def read_optimizer_state(
             if stages is None or stage in stages:
                 by_stage[stage] = _read_bf16_stage(files, param_key, keys)
     else:
-        for path in sorted(Path(tag_dir).iterdir()):
+        for path in listed_files(tag_dir):
             match = ENGINE_FILE.fullmatch(path.name)
             if match and (stages is None or int(match.group(1)) in stages):
                 found = _read_fp32_stage(path, param_key, keys)

@@ -3,8 +3,10 @@
 A checkpoint tag directory holds ``layer_{idx:02d}-model_states.pt`` per pipeline entry (the
 index in the layer list; past 99 it has more digits, so files are matched by parsed index,
 never sorted as strings), our ``train_config.json`` (resolved config, the index -> module-name
-map, the step) and ``checksums.json``. Every file is verified against the checksums, and layer
-files are read with ``torch.load(weights_only=True)``.
+map, the step) and ``checksums.json``, and nothing else: every file is read by a name the
+checksums list, after the tag is checked to hold exactly those files and each is verified
+against its checksum (``formats.checkpoint.verify_checkpoint``); layer files are read with
+``torch.load(weights_only=True)``.
 
 The vocabulary exported with the weights (:func:`checkpoint_vocabulary`) is the tag's own copy
 of the training SentencePiece model (``spm.model``, checked against the sha256 recorded in
@@ -117,8 +119,10 @@ def resolve_tags(
 
 def dataset_of(tag_dir: Path) -> str | None:
     """The ``data.dataset`` a checkpoint was trained on (None for synthetic data or when the
-    config cannot be read: the caller reports that when it loads the checkpoint)."""
+    config cannot be read: the caller reports that when it loads the checkpoint). The tag
+    must hold exactly what its checksums list before its ``train_config.json`` is read."""
     try:
+        ckpt.check_listing(tag_dir)
         return _dataset(train_config.read_train_record(tag_dir))
     except ckpt.CheckpointError:
         return None
@@ -448,7 +452,8 @@ def repartition_checkpoint(
         )
     (tag,) = resolve_tags(save_dir, tag)
     src = save_dir / tag
-    info, _ = read_checkpoint(src, indices=set())
+    manifest = ckpt.verify_checkpoint(src)
+    info, _ = read_checkpoint(src, verify=False, indices=set())
     cfg = config_from_dict(info.need("config"))
     method = (
         cfg.pipeline.partition
@@ -464,7 +469,7 @@ def repartition_checkpoint(
         (tmp / tag).mkdir()
         names = info.need("spec_names")
         master = read_master_weights(src, names)  # bf16: the optimizer files stay behind
-        for path in src.iterdir():
+        for path in ckpt.listed_files(src, manifest):  # the verified names, no listing
             idx = ckpt.layer_index(path.name)
             if path.name == SPM_IN_CHECKPOINT or (idx is not None and not master):
                 shutil.copyfile(path, tmp / tag / path.name)

@@ -103,6 +103,7 @@ def checkpoint_data(save_dir: Path, tag: str, opts: WatchOptions) -> str:
     ``data.dataset``."""
     if opts.data:
         return opts.data
+    ckpt.check_listing(save_dir / tag)  # no file of the tag is read before
     data = train_config.read_train_record(save_dir / tag).config_value("data.dataset")
     if not isinstance(data, str) or not data or data == "synthetic":
         raise ConvertError(f"{save_dir / tag}: trained on synthetic data: no text to translate")
@@ -173,6 +174,7 @@ def run_finished(save_dir: Path) -> bool:
     complete, _ = ckpt.checkpoint_tags(save_dir)
     if not complete:
         return False
+    ckpt.check_listing(save_dir / complete[-1])  # no file of the tag is read before
     record = train_config.read_train_record(save_dir / complete[-1])
     return ckpt.tag_step(complete[-1]) == record.config_value("train.max_steps")
 

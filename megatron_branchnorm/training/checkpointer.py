@@ -184,6 +184,8 @@ class Checkpointer:
                 ckpt.write_latest(self.save_dir, tag)
             except OSError as exc:
                 error = f"checkpoint {tag_dir} not saved: {describe_os_error(exc)}"
+            except ckpt.CheckpointError as exc:  # an entry no save writes: the tag stays incomplete
+                error = f"checkpoint {tag_dir} not saved: {exc}"
         agree_or_raise(self.world, error)
 
     def _optimizer_param_names(self) -> list[list[str]] | None:
@@ -263,7 +265,7 @@ class Checkpointer:
         if tag is None:
             return
         tag_dir = self.save_dir / tag
-        ckpt.verify_checkpoint(tag_dir)
+        ckpt.verify_checkpoint(tag_dir)  # exactly the files it lists: DeepSpeed's load globs
         saved = train_config.read_train_record(tag_dir)
         self.resumed_from = tag
         self.config_changes = self._check_resume_config(tag_dir, saved)

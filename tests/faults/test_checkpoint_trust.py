@@ -206,12 +206,16 @@ def test_a_tag_that_is_a_symbolic_link_is_refused(save_dir):
 # ---- item 2 and 12a: checksums.json -------------------------------------------------------------
 
 
+LISTED = ckpt.layer_file(0)
+"""The one file of the ``tag_dir`` fixture (a name a save writes: a manifest lists no other)."""
+
+
 @pytest.fixture
 def tag_dir(tmp_path) -> Path:
     """A tag with one file and its manifest; a secret file beside the save_dir."""
     tag = tmp_path / "save" / "global_step3"
     tag.mkdir(parents=True)
-    (tag / "a.pt").write_bytes(b"x")
+    (tag / LISTED).write_bytes(b"x")
     ckpt.write_manifest(tag, 3)
     (tmp_path / "secret").write_bytes(b"s" * 12345)
     return tag
@@ -255,18 +259,18 @@ def test_a_manifest_entry_outside_its_tag_is_refused_untouched(tag_dir, monkeypa
 
 def test_a_manifest_entry_that_is_a_symbolic_link_is_refused(tag_dir):
     secret = tag_dir.parent.parent / "secret"
-    (tag_dir / "b.pt").symlink_to(secret)
+    (tag_dir / ckpt.layer_file(1)).symlink_to(secret)
     entry = {"sha256": ckpt.sha256_file(secret), "bytes": secret.stat().st_size}
 
     def add(manifest):
-        manifest["files"]["b.pt"] = entry
+        manifest["files"][ckpt.layer_file(1)] = entry
         return manifest
 
     path = rewrite_manifest(tag_dir, add)
     with pytest.raises(ckpt.CheckpointError) as exc:
         ckpt.verify_checkpoint(tag_dir)
     assert one_line(exc) == (
-        f"{path}: entry 'b.pt' is a symbolic link; a checkpoint's files are its own"
+        f"{path}: entry {ckpt.layer_file(1)!r} is a symbolic link; a checkpoint's files are its own"
     )
 
 
@@ -280,7 +284,7 @@ def _set(key, value):
 
 def _entry(key, value):
     def change(manifest):
-        entry = manifest["files"]["a.pt"]
+        entry = manifest["files"][LISTED]
         if value is KeyError:
             del entry[key]
         else:
@@ -296,12 +300,12 @@ MALFORMED = {
     "a number": lambda m: 3,
     "null": lambda m: None,
     "no files": lambda m: {"step": 3},
-    "files a list": _set("files", [["a.pt", "0" * 64, 1]]),
-    "files a string": _set("files", "a.pt"),
+    "files a list": _set("files", [[LISTED, "0" * 64, 1]]),
+    "files a string": _set("files", LISTED),
     "files null": _set("files", None),
-    "an entry a number": _set("files", {"a.pt": 1}),
-    "an entry a list": _set("files", {"a.pt": ["0" * 64, 1]}),
-    "an entry null": _set("files", {"a.pt": None}),
+    "an entry a number": _set("files", {LISTED: 1}),
+    "an entry a list": _set("files", {LISTED: ["0" * 64, 1]}),
+    "an entry null": _set("files", {LISTED: None}),
     "no sha256": _entry("sha256", KeyError),
     "no bytes": _entry("bytes", KeyError),
     "sha256 a number": _entry("sha256", 5),
@@ -328,7 +332,7 @@ def test_every_malformed_manifest_is_one_line_naming_it(tag_dir):
             ckpt.verify_checkpoint(tag_dir)
         assert one_line(exc).startswith(f"{path}: "), what
     (tag_dir / ckpt.MANIFEST).write_text(pristine)
-    assert set(ckpt.verify_checkpoint(tag_dir)["files"]) == {"a.pt"}
+    assert set(ckpt.verify_checkpoint(tag_dir)["files"]) == {LISTED}
 
 
 # ---- item 1: nothing unpickled beyond weights --------------------------------------------------
