@@ -66,6 +66,18 @@ that torch.distributed holds in nanoseconds (1e10 s failed at once with "timed o
 raised OverflowError), and no collective should wait longer than a week."""
 
 
+MAX_LAYERS = 10_000
+"""Most layers of ``model.encoder_layers`` and of ``model.decoder_layers``: ten times the
+deepest stack of the shipped recipes (500). The balanced partition grows faster than the
+depth (measured: 0.2 s at 1,000 layers a stack, 6.5 s at 10,000, minutes at 50,000), so a
+start-up at a count such as 2**31 would never end."""
+
+MAX_SYNTHETIC_SIZE = 1_000_000
+"""Most sentence pairs of ``data.synthetic_size``: one epoch's plan of the synthetic task
+takes about 10 s at 10**6 pairs (measured), and grows with the size (2**31: hours each
+epoch)."""
+
+
 class ConfigError(UserError, ValueError):
     """A bad configuration: the message names the offending key."""
 
@@ -512,12 +524,12 @@ def _check(ok: bool, key: str, msg: str) -> None:
 
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     """Consistency checks of a ModelConfig; raises ConfigError naming the key."""
-    _check(
-        m.encoder_layers >= 1, f"{prefix}.encoder_layers", f"must be >= 1, got {m.encoder_layers}"
-    )
-    _check(
-        m.decoder_layers >= 1, f"{prefix}.decoder_layers", f"must be >= 1, got {m.decoder_layers}"
-    )
+    for name in ("encoder_layers", "decoder_layers"):
+        layers = getattr(m, name)
+        _check(layers >= 1, f"{prefix}.{name}", f"must be >= 1, got {layers}")
+        _check(
+            layers <= MAX_LAYERS, f"{prefix}.{name}", f"must be <= {MAX_LAYERS:,}, got {layers:,}"
+        )
     _check(m.hidden_size >= 1, f"{prefix}.hidden_size", f"must be >= 1, got {m.hidden_size}")
     _check(
         m.ffn_hidden_size >= 1,
@@ -584,6 +596,34 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     )
 
 
+def _check_update_size(cfg: ExperimentConfig) -> None:
+    """The micro-batches one update draws, where the config fixes them (``train.micro_batches
+    x pipeline.data_parallel``; without ``pipeline.data_parallel`` the world size multiplies
+    them, training/layout.py), within a count key's range and, on the synthetic task, within
+    the pairs it holds (a micro-batch holds at least one). The trainer checks them against
+    the batches an epoch of a DATA_DIR holds (training/data.py)."""
+    micro, dp = cfg.train.micro_batches, cfg.pipeline.data_parallel
+    key = "pipeline.data_parallel" if dp else "train.micro_batches"
+    per_update = micro * max(dp, 1)
+    what = (
+        f"train.micro_batches {micro:,} x pipeline.data_parallel {dp:,}"
+        if dp
+        else "train.micro_batches, on each data-parallel replica"
+    )
+    _check(
+        per_update <= MAX_INT,
+        key,
+        f"{per_update:,} micro-batches per update ({what}), more than {MAX_INT:,}",
+    )
+    size = cfg.data.synthetic_size
+    _check(
+        cfg.data.dataset != "synthetic" or per_update <= size,
+        key,
+        f"an update takes {per_update:,} micro-batches ({what}), more than the {size:,} "
+        f"sentence pairs of the training data (data.synthetic_size) could fill",
+    )
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Consistency checks of a whole config; raises ConfigError naming the key."""
     validate_model(cfg.model)
@@ -607,6 +647,20 @@ def validate(cfg: ExperimentConfig) -> None:
         f"{d.max_tokens} cannot hold one sentence of data.max_length={d.max_length} (+2 special tokens)",
     )
     _check(d.synthetic_size >= 1, "data.synthetic_size", f"must be >= 1, got {d.synthetic_size}")
+    _check(
+        d.synthetic_size <= MAX_SYNTHETIC_SIZE,
+        "data.synthetic_size",
+        f"must be <= {MAX_SYNTHETIC_SIZE:,}, got {d.synthetic_size:,}",
+    )
+    if d.dataset == "synthetic":  # a micro-batch holds at most every pair of the task
+        most = d.synthetic_size * (d.max_length + 2)
+        _check(
+            d.max_tokens <= most,
+            "data.max_tokens",
+            f"{d.max_tokens:,} tokens per micro-batch, more than the {most:,} that all "
+            f"data.synthetic_size={d.synthetic_size:,} pairs of data.max_length="
+            f"{d.max_length} (+2 special tokens) hold",
+        )
     _check(
         d.valid_samples_per_direction >= 0,
         "data.valid_samples_per_direction",
@@ -646,6 +700,7 @@ def validate(cfg: ExperimentConfig) -> None:
         t.max_time_minutes >= 0, "train.max_time_minutes", f"must be >= 0, got {t.max_time_minutes}"
     )
     _check(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    _check_update_size(cfg)
     _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(t.warmup_init_lr >= 0, "train.warmup_init_lr", f"must be >= 0, got {t.warmup_init_lr}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -152,6 +153,13 @@ class Update:
     shapes: list[int] | None = None  # the bucket of each of this replica's micro-batches
 
 
+STOP_CHECK_DRAWS = 1024
+"""An update that draws more micro-batches than this asks whether a stop signal reached any
+rank after every this many draws (``stop_requested``, a collective: every rank asks at the
+same draws, a rank that draws nothing too), so that a stop signal ends a long drawing instead
+of waiting for the update. Updates of up to this many micro-batches never ask."""
+
+
 class _Ahead:
     """One epoch plan built on a daemon thread while the current epoch trains (numpy's sorts
     and permutations release the GIL); a process that exits never waits for it."""
@@ -191,10 +199,21 @@ class TrainStream:
     are empty. The checkpoint takes rank 0's position either way.
     """
 
-    def __init__(self, cfg: ExperimentConfig, dp: int, dp_id: int, reads_data: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        dp: int,
+        dp_id: int,
+        reads_data: bool = True,
+        stop_requested: Callable[[], bool] | None = None,
+    ) -> None:
         self.micro_batches, self.dp, self.dp_id = cfg.train.micro_batches, dp, dp_id
         self.per_update = self.micro_batches * dp
         self.reads_data = reads_data
+        self.stop_requested = stop_requested  # see STOP_CHECK_DRAWS; None: never asked
+        self._batch_key = (
+            "pipeline.data_parallel" if cfg.pipeline.data_parallel else "train.micro_batches"
+        )
         follows = reads_data or max_shapes_of(cfg.data.bucket_shapes) > 0
         self.source = (
             build_batches(cfg, "train", shuffle=True, keep_keys=reads_data) if follows else None
@@ -238,11 +257,31 @@ class TrainStream:
 
     # --- updates ---------------------------------------------------------------------------
 
-    def next_update(self) -> Update:
+    def _stopped(self, draws: int) -> bool:
+        """Whether the drawing ends here, after ``draws`` of the update's micro-batches: at
+        every :data:`STOP_CHECK_DRAWS`-th draw short of the last, ``stop_requested``."""
+        return (
+            self.stop_requested is not None
+            and 0 < draws < self.per_update
+            and draws % STOP_CHECK_DRAWS == 0
+            and self.stop_requested()
+        )
+
+    def next_update(self) -> Update | None:
+        """This rank's share of the next update; None when a stop signal ended its drawing
+        (:data:`STOP_CHECK_DRAWS`): the stream is back at the update's first batch, as a
+        checkpoint between updates saves it."""
         if self.source is None:
+            for draws in range(STOP_CHECK_DRAWS, self.per_update, STOP_CHECK_DRAWS):
+                if self._stopped(draws):
+                    return None
             return Update(mine=[], target_tokens=0, all_tokens=0, samples=0, ids_hash="")
+        start = (self.epoch, self.position, self._slot0)
         mine, shapes, ntokens, src_ntokens, samples, prints = [], [], 0, 0, 0, []
-        for _ in range(self.per_update):
+        for draws in range(self.per_update):
+            if self._stopped(draws):
+                self.epoch, self.position, self._slot0 = start
+                return None
             plan, p = self._current(), self.position
             ours = ((p + self._slot0) % self.per_update) // self.micro_batches == self.dp_id
             if plan.shapes is not None and ours:
@@ -274,6 +313,21 @@ class TrainStream:
             samples,
             digest,
             shapes=shapes if self.buckets is not None else None,
+        )
+
+    def update_too_large(self) -> str | None:
+        """One line naming the key when an update takes more micro-batches than the current
+        epoch holds batches (an update would read the same data more than once, and a count
+        such as 2**32 would never end); None when it fits, or on a rank that builds no plan."""
+        if self.source is None:
+            return None
+        batches = len(self._current())
+        if self.per_update <= batches:
+            return None
+        return (
+            f"config key {self._batch_key}: an update takes {self.per_update:,} micro-batches "
+            f"({self.micro_batches:,} on each of {self.dp:,} data-parallel replicas), more than "
+            f"the {batches:,} batches one epoch of the training data holds"
         )
 
     def direction_counts(self) -> tuple[list[str], list[int]] | None:

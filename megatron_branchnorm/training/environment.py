@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branchnorm.config import ConfigError
+from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import one_line, quote
 from megatron_branchnorm.runner.launch import free_port
 from megatron_branchnorm.training import collectives, stop_signals
@@ -28,9 +30,10 @@ SHM_COMM_BUILDER = "ShareMemCommBuilder"
 (ninja, in torch's extensions directory) on CPU ranks."""
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(UserError, RuntimeError):
     """Starting failed because another rank, or its node, is gone: one line, exit 4
-    (``training.trainer.run``), like a collective that lost its peer."""
+    (``training.trainer.run`` reads it before any front door, which would print a
+    :class:`UserError` with exit 2), like a collective that lost its peer."""
 
 
 def setup_process_env() -> None:
@@ -146,6 +149,7 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     """
     import deepspeed
 
+    check_master_addr()
     device = bind_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -174,6 +178,30 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     if backend == "gloo":
         release_shm_workspace(rank)
     return rank, dist.get_world_size()
+
+
+def check_master_addr() -> None:
+    """End the process with one line, exit 4 (as a rendezvous that cannot complete), when
+    MASTER_ADDR does not resolve: the rendezvous would retry it until
+    ``train.collective_timeout_s``, though a name the resolver does not know never comes to
+    resolve. A temporary failure of the resolver (EAI_AGAIN) is left to the rendezvous."""
+    env = os.environ
+    addr = env.get("MASTER_ADDR", "")
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:
+            return
+        why = exc.strerror or str(exc)
+    except UnicodeError as exc:  # a label longer than 63 characters, an empty label
+        why = one_line(str(exc), 200)
+    else:
+        return
+    stop_signals.stop_now(
+        f"error: rank {env.get('RANK', '0')}: MASTER_ADDR {quote(addr)} does not resolve "
+        f"({why}): check MASTER_ADDR",
+        PEER_LOST_EXIT_CODE,
+    )
 
 
 def _rendezvous_line(timeout_s: float, detail: str) -> str:

@@ -20,6 +20,7 @@ decides the same (the device memory is agreed on beforehand, the smallest rank's
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def saved_batch(save_dir: Path) -> SavedBatch | None:
     tag, _ = ckpt.resume_tag(save_dir)
     if tag is None:
         return None
+    ckpt.check_listing(save_dir / tag)  # no file of the tag is read before
     info = train_config.read_train_record(save_dir / tag)
     micro = train_config.saved_micro_batches(info)
     dp = train_config.saved_data_parallel(save_dir / tag, info)
@@ -201,7 +203,23 @@ def choose_layout(
         or "none: set pipeline.fallback_stages=auto to let the run choose"
     )
     raise ConfigError(
-        f"config key pipeline.stages: {why}; fallback stages tried: {tried}; layouts (stages x "
-        f"data-parallel) that fit {world} ranks and keep {batch.per_update} micro-batches per "
-        f"update: {', '.join(fitting) if fitting else 'none'}"
+        f"config key pipeline.stages: {why}; fallback stages tried: {tried}; GPU counts that "
+        f"keep {batch.per_update} micro-batches per update at pipeline.stages={stages}: "
+        f"{keeping_worlds(stages, batch)}; layouts (stages x data-parallel) that fit {world} "
+        f"ranks and keep {batch.per_update} micro-batches per update: "
+        f"{', '.join(fitting) if fitting else 'none'}"
     )
+
+
+MAX_LISTED_WORLDS = 12
+"""The most GPU counts a refusal lists (the smallest of them)."""
+
+
+def keeping_worlds(stages: int, batch: GlobalBatch) -> str:
+    """The world sizes at which ``stages`` stages keep ``batch``: ``stages`` times each
+    data-parallel size that divides it (the smallest :data:`MAX_LISTED_WORLDS`)."""
+    g = batch.per_update
+    small = [d for d in range(1, math.isqrt(g) + 1) if g % d == 0]
+    sizes = sorted({*small, *(g // d for d in small)})
+    worlds = [str(stages * d) for d in sizes[:MAX_LISTED_WORLDS]]
+    return ", ".join(worlds) + (", ..." if len(sizes) > MAX_LISTED_WORLDS else "")

@@ -220,7 +220,7 @@ class Trainer:
         if self.fp32:
             install_fp32_grad_norm(self.engine, module, optimizer, spec_names(cfg.model))
         reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.stream = TrainStream(cfg, self.dp, dp_id, reads_data)
+        self.stream = TrainStream(cfg, self.dp, dp_id, reads_data, self._signal_agreed)
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             cfg,
@@ -343,9 +343,13 @@ class Trainer:
                 f"nothing to train: the run is at step {state.step} and train.max_steps is "
                 f"{max_steps} (raise train.max_steps to train on)"
             )
+        first = state.step
         while state.step < max_steps:
             update = state.step + 1  # the update tried; state.step counts the applied ones
             result = self._update(update)
+            if result is None:  # a stop signal ended the update's drawing, on every rank
+                exit_code = self._stop_while_drawing(first)
+                break
             if not result.applied and self.skips.stop_after_skip(
                 update=update,
                 applied_updates=state.step,
@@ -374,12 +378,14 @@ class Trainer:
         collectives.barrier()
         return exit_code
 
-    def _update(self, t: int) -> UpdateResult:
+    def _update(self, t: int) -> UpdateResult | None:
         """Update ``t`` (applied updates + 1): its batches, alpha_t, one ``train_batch``. An
         applied update advances the state's step; a skipped one (a non-finite gradient norm)
-        only its samples."""
+        only its samples. None: a stop signal ended the drawing of its batches (nothing ran)."""
         alpha = set_branch_scale(self.module, self.cfg.model, t)
         update = self.stream.next_update()
+        if update is None:
+            return None
         self.state.samples += update.samples
         self.loss_fn.reset()
         self.loss_fn.scale = self.cfg.train.micro_batches * self.dp / max(update.target_tokens, 1)
@@ -396,10 +402,31 @@ class Trainer:
             self.skips.applied()
         return UpdateResult(applied, alpha, lr, loss_sums, update.ids_hash, update.all_tokens)
 
+    def _signal_agreed(self) -> bool:
+        """Whether a stop signal reached any rank (a collective: the stream asks it at the
+        same draws of a long update on every rank, training/data.STOP_CHECK_DRAWS)."""
+        flag = collectives.all_reduce([float(stop_signals.received() != 0)], op="max")
+        return bool(collectives.to_host(flag)[0])
+
+    def _stop_while_drawing(self, first: int) -> int:
+        """A stop signal ended an update's drawing (the stream is back at its first batch):
+        as the stop check after an update, save the last applied update's checkpoint (unless
+        it exists, or this run applied none: nothing new to save) and exit with the requeue
+        code."""
+        if self.state.step == first:
+            self.metrics.log(
+                f"signal received before the first update (step {first}): nothing new to "
+                f"save, exiting {REQUEUE_EXIT_CODE}"
+            )
+            return REQUEUE_EXIT_CODE
+        self.checkpointer.save_if_missing()
+        return self._log_stop("signal")
+
     def _start(self) -> None:
         """Resume (when save_dir has a checkpoint), record the run's config, say what runs."""
         cfg = self.cfg
         self.checkpointer.resume()  # sets self.state
+        agree_or_raise(self.world, self.stream.update_too_large())  # the epoch's plan is built
         self.checkpointer.record_start()
         print(f"rank {self.rank} (stage {self.stage_id}): {self.stream.describe()}", flush=True)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
