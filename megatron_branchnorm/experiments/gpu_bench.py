@@ -296,14 +296,14 @@ def train_overrides(
 @contextlib.contextmanager
 def _one_rank() -> Iterator[None]:
     """This process as a world of one rank for one Trainer (srun's variables for rank 0 of 1,
-    :func:`megatron_branchnorm.runner.launch.rank_env`, on a fresh rendezvous port each time);
-    the environment is restored after."""
-    from megatron_branchnorm.runner.launch import free_port, rank_env
+    :func:`megatron_branchnorm.runner.launch.rank_env`, joining the rendezvous store this
+    process hosts, ``environment.own_rendezvous``); the environment is restored after."""
+    from megatron_branchnorm.runner.launch import rank_env
     from megatron_branchnorm.training import environment
 
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    world_of_one = {**rank_env(0, 1, None), **environment.own_rendezvous()}
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", *environment.own_rendezvous())
     saved = {k: os.environ.get(k) for k in keys}
-    world_of_one = rank_env(0, 1, free_port())
     os.environ.update({k: world_of_one[k] for k in keys})
     try:
         yield

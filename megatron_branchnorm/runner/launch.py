@@ -1,6 +1,14 @@
-"""Starting runs from Python: a free rendezvous port, the ``deepspeed`` launch of the trainer,
-and a command in its own process group with its output in a log file, stopped as a whole
-(launcher and ranks) on an interrupt or a timeout.
+"""Starting runs from Python: the ranks' rendezvous port, held (:class:`HeldPort`), the
+``deepspeed`` launch of the trainer, and a command in its own process group with its output in
+a log file, stopped as a whole (launcher and ranks) on an interrupt or a timeout.
+
+No port is chosen, released and bound again later in the ephemeral range: between the two, any
+socket of the machine (an outgoing connection, another program's port 0) can take it, and rank
+0 then fails with "address already in use". The ranks' port is held listening until rank 0,
+which inherits the socket, hosts the rendezvous store on it; a port that cannot be handed over
+(the ``deepspeed`` launcher closes inherited sockets; the local SLURM cluster's daemons) is taken
+outside the ephemeral range (:func:`quiet_ports`), which port 0 and outgoing connections never
+draw from.
 
 Used by the workflows (``megatron_branchnorm.workflows``) and the research harness
 (``megatron_branchnorm.experiments``); :func:`rank_env` is the environment srun and
@@ -10,6 +18,7 @@ Used by the workflows (``megatron_branchnorm.workflows``) and the research harne
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,25 +40,97 @@ class LaunchError(UserError, RuntimeError):
     """A run could not be started (a one-line message)."""
 
 
-def free_port() -> int:
-    """A TCP port free on localhost right now (for the ranks' rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+RENDEZVOUS_FD = "MBN_RENDEZVOUS_FD"
+"""The variable that gives rank 0 the number of an inherited socket that already listens on
+MASTER_PORT (:class:`HeldPort`): rank 0 hosts the rendezvous store on it
+(``training.environment``) instead of binding the port anew."""
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The environment of one rank, as srun + slurm/common.sh would give it."""
+class HeldPort:
+    """A TCP port on 127.0.0.1 that the system picked (port 0), bound and listening from the
+    moment this object exists: no other socket can take it before the ranks use it. Rank 0
+    inherits the socket (:data:`RENDEZVOUS_FD`, :meth:`fileno`) and hosts the rendezvous store
+    on it; the other ranks' connections wait in its queue meanwhile. :meth:`close` this
+    process's copy once rank 0 has started. A context manager: closed when the block ends."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+        """MASTER_PORT of the ranks."""
+
+    def fileno(self) -> int:
+        """The listening socket's file descriptor (rank 0's :data:`RENDEZVOUS_FD`)."""
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        """Close this process's copy of the socket (idempotent); a rank that inherited it keeps
+        it listening."""
+        self._sock.close()
+
+    def __enter__(self) -> HeldPort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+IP_LOCAL_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+"""Where Linux keeps its ephemeral port range (two numbers: the first and the last port)."""
+
+
+def ephemeral_ports() -> range:
+    """The ports the system hands out for port 0 and outgoing connections
+    (:data:`IP_LOCAL_PORT_RANGE`; Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(n) for n in Path(IP_LOCAL_PORT_RANGE).read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def quiet_ports(count: int, tries: int = 200) -> int | None:
+    """The first of ``count`` consecutive TCP ports above 1023 and outside
+    :func:`ephemeral_ports` (no port 0 and no outgoing connection takes them meanwhile), each
+    bound once on 127.0.0.1 to check that it is free now; chosen at random, again after a port
+    in use, up to ``tries`` times; None when none was found. For ports that a program started
+    later listens on, where no :class:`HeldPort` can be handed over."""
+    taken = ephemeral_ports()
+    starts = [*range(1024, taken.start - count + 1), *range(taken.stop, 65536 - count + 1)]
+    for _ in range(tries if starts else 0):
+        base = random.choice(starts)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:  # in use (EADDRINUSE): another pick
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    return None
+
+
+def rank_env(rank: int, world: int, port: int | None) -> dict[str, str]:
+    """The environment of one rank, as srun + slurm/common.sh would give it; MASTER_PORT
+    ``port`` (None: none, for a world of one, which then hosts its own rendezvous store)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MBN_FAULT"))}
+    for key in ("MASTER_PORT", RENDEZVOUS_FD, "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(key, None)  # this process's own rendezvous is not the rank's
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
     )
+    if port is not None:
+        env["MASTER_PORT"] = str(port)
     return env
 
 
@@ -80,7 +161,9 @@ def tool_command(name: str) -> list[str]:
 def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
     """``deepspeed --num_gpus R --master_port P --module megatron_branchnorm.train ARGS`` and
     the environment to run it in (this interpreter's bin/ first on PATH, so the ranks run this
-    Python). Raises LaunchError when no deepspeed launcher is installed."""
+    Python). P is outside the ephemeral range (:func:`quiet_ports`): the launcher closes every
+    inherited socket, so rank 0 binds P itself, seconds later. Raises LaunchError when no
+    deepspeed launcher is installed or no such port is free."""
     venv_bin = Path(sys.executable).parent
     launcher = venv_bin / "deepspeed"
     if not launcher.exists():
@@ -88,9 +171,14 @@ def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str,
         if found is None:
             raise LaunchError("the deepspeed launcher is not installed (pip install deepspeed)")
         launcher = Path(found)
+    port = quiet_ports(1)
+    if port is None:
+        raise LaunchError("no free TCP port outside the ephemeral range for the rendezvous")
     env = dict(os.environ)
+    for key in (RENDEZVOUS_FD, "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(key, None)  # this process's own rendezvous is not the ranks'
     env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
-    cmd = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    cmd = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(port)]
     return [*cmd, "--module", "megatron_branchnorm.train", *args], env
 
 

@@ -2,7 +2,8 @@
 
 Every rank is a plain ``python -m megatron_branchnorm.train`` (or another module, or a script)
 with RANK/WORLD_SIZE/LOCAL_RANK/... in its environment (:func:`rank_env`) and a rendezvous port
-of its own run (:func:`free_port`), its output in ``rank<R>.log``. The rehearsal
+of its own run, held from its choice on (:class:`HeldPort`: rank 0 inherits the listening
+socket and hosts the store on it), its output in ``rank<R>.log``. The rehearsal
 (``workflows/rehearse_runs.py``), the benchmark's train.py runs (``experiments/bench_train.py``),
 the fault runs (``experiments/fault_runs.py``), the GPU check's train.py runs
 (``workflows/gpu_check.py``), ``experiments/bench_pipeline_shapes.py`` and the tests'
@@ -27,7 +28,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from megatron_branchnorm.runner.launch import free_port, rank_env
+from megatron_branchnorm.runner.launch import RENDEZVOUS_FD, HeldPort, rank_env
 
 TRAINER = "megatron_branchnorm.train"
 """The module a rank runs unless told otherwise."""
@@ -165,7 +166,8 @@ def start_ranks(
     log_prefix: str = "",
 ) -> Ranks:
     """Start ``world`` ranks of ``python -m MODULE ARGS`` (``module`` None: ``python ARGS``, a
-    script and its arguments) on a fresh rendezvous port, each with :func:`rank_env` plus
+    script and its arguments) on a fresh rendezvous port (:class:`HeldPort`, handed to rank 0
+    as :data:`RENDEZVOUS_FD`), each with :func:`rank_env` plus
     ``env`` (added last: it may override) and its output in ``log_dir/rank<R>.log`` (``mode``
     "w" starts it afresh, "a" appends; ``log_prefix`` goes before the name, for the logs of
     several runs in one directory). ``pipe_rank0``: rank 0's output (text, undecodable bytes
@@ -177,7 +179,8 @@ def start_ranks(
     The ranks run in this process group (a Ctrl-C reaches them too); a rank that cannot be
     started kills those already started."""
     argv = [sys.executable, *(["-m", module] if module else []), *args]
-    port = free_port()
+    held = HeldPort()
+    port = held.port
     logs: list[Path] = []
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -186,6 +189,9 @@ def start_ranks(
     try:
         for rank in range(world):
             rank_environment = {**rank_env(rank, world, port), **(env or {})}
+            fds = (held.fileno(),) if rank == 0 else ()  # rank 0 hosts the store on it
+            if fds:
+                rank_environment[RENDEZVOUS_FD] = str(fds[0])
             if log_dir is None or (rank == 0 and pipe_rank0):
                 proc = subprocess.Popen(
                     argv,
@@ -195,14 +201,22 @@ def start_ranks(
                     stderr=subprocess.PIPE if log_dir is None else subprocess.STDOUT,
                     text=True,
                     errors="replace",
+                    pass_fds=fds,
                 )
             else:
                 with open(logs[rank], mode, encoding="utf-8") as log:  # the rank has its own fd
                     proc = subprocess.Popen(
-                        argv, env=rank_environment, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+                        argv,
+                        env=rank_environment,
+                        cwd=cwd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=fds,
                     )
             group.procs.append(proc)
     except BaseException:
         group.kill()
         raise
+    finally:
+        held.close()  # rank 0 holds the port now
     return group

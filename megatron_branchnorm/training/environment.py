@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import one_line, quote
-from megatron_branchnorm.runner.launch import free_port
+from megatron_branchnorm.runner.launch import RENDEZVOUS_FD
 from megatron_branchnorm.training import collectives, stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 
@@ -51,11 +51,58 @@ def setup_process_env() -> None:
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(free_port())
+            env.update(own_rendezvous())
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")
     check_process_env()
+    host_rendezvous()
+
+
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""torch's variable that makes every rank, rank 0 included, join the rendezvous store at
+MASTER_ADDR:MASTER_PORT as a client (``torch.distributed.rendezvous``; torchrun's agent hosts
+that store) instead of rank 0 binding the port and starting one there."""
+
+_HOSTED: list[dist.TCPStore] = []
+"""The rendezvous stores this process hosts, held for its life (a process group started again
+meets there too)."""
+
+
+def own_rendezvous() -> dict[str, str]:
+    """MASTER_ADDR, MASTER_PORT and :data:`AGENT_STORE` of a rendezvous store this process hosts
+    for itself, a world of one (opened on first use, on a port the system picks): no port is
+    chosen, freed and bound again, which any other socket of the machine could take meanwhile."""
+    if not _HOSTED:
+        _HOSTED.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_HOSTED[0].port), AGENT_STORE: "True"}
+
+
+def host_rendezvous() -> None:
+    """On rank 0 started with :data:`RENDEZVOUS_FD` (``runner.ranks.start_ranks``: a socket that
+    listens on MASTER_PORT since the port was chosen), host the rendezvous store on that socket
+    and join it as a client like every other rank (:data:`AGENT_STORE`); nothing otherwise. The
+    port is never free between its choice and the rendezvous."""
+    fd = _env_int(RENDEZVOUS_FD, 0)
+    if fd is None:
+        return
+    del os.environ[RENDEZVOUS_FD]
+    try:
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", "0")),
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"environment variable {RENDEZVOUS_FD}: {fd} is not a socket listening on "
+            f"MASTER_PORT ({one_line(str(exc), 200)})"
+        ) from None
+    os.set_inheritable(fd, False)  # the rank's own children do not hold the port
+    _HOSTED.append(store)
+    os.environ[AGENT_STORE] = "True"
 
 
 def _env_int(name: str, low: int, high: int | None = None) -> int | None:
@@ -150,6 +197,7 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
     import deepspeed
 
     check_master_addr()
+    host_rendezvous()
     device = bind_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.runner.launch import quiet_ports
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "munge")
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
@@ -160,27 +161,14 @@ def ensure_resolvable(names: list[str], hosts: Path = HOSTS) -> list[str]:
     return missing
 
 
-def _free_ports(count: int, tries: int = 200) -> int:
-    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 (slurm.conf's Port=[a-b])."""
-    for _ in range(tries):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise ClusterError(f"no {count} consecutive free ports found")
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 (slurm.conf's Port=[a-b]),
+    outside the ephemeral range: the daemons bind them seconds later, and port 0 or an outgoing
+    connection of any process could take an ephemeral one meanwhile."""
+    base = quiet_ports(count)
+    if base is None:
+        raise ClusterError(f"no {count} consecutive free ports found outside the ephemeral range")
+    return base
 
 
 def client_env(conf: Path, base: dict | None = None) -> dict:

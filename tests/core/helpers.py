@@ -43,11 +43,10 @@ def random_tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 def one_rank_process_group(timeout_s: float = 120.0) -> Iterator[None]:
     """This process as a world of one rank (the trainer's own process group set-up, gloo on
     CPU) for tests that build a DeepSpeed engine in-process; torn down on exit."""
-    from megatron_branchnorm.runner.launch import free_port
     from megatron_branchnorm.training import environment
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+           **environment.own_rendezvous()}  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.commands import FRONT_DOORS
-from megatron_branchnorm.runner.launch import free_port
+from megatron_branchnorm.runner.launch import quiet_ports
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def test_deepspeed_launches_the_installed_trainer_as_a_module(venv, tmp_path):
     run_dir = tmp_path / "run"
     launch = _run(
         [venv / "bin" / "python", "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-         "--master_port", free_port(), "--module", "megatron_branchnorm.train",
+         "--master_port", quiet_ports(1), "--module", "megatron_branchnorm.train",
          "--config", "tiny_cpu", "pipeline.stages=2", "train.max_steps=2",
          f"train.save_dir={run_dir}", "train.save_interval=2", "train.eval_interval=0"],
         cwd=tmp_path,

@@ -20,9 +20,10 @@ import pytest
 
 from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.formats.records import read_metrics
+from megatron_branchnorm.runner.launch import quiet_ports
 from megatron_branchnorm.training.run_lock import LOCK_NAME
 from tests.faults.common import TRAIN
-from tests.pipeline.conftest import ROOT, free_port
+from tests.pipeline.conftest import ROOT
 
 pytestmark = pytest.mark.faults
 
@@ -49,7 +50,7 @@ def test_killing_the_deepspeed_command_checkpoints_and_stops_the_ranks(tmp_path:
     assert deepspeed is not None
     save_dir = tmp_path / "run"
     cmd = [
-        deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
+        deepspeed, "--num_gpus", "2", "--master_port", str(quiet_ports(1)), TRAIN,
         "--config", "tiny_cpu", "pipeline.stages=2", "train.max_steps=100000",
         "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0",
         f"train.save_dir={save_dir}",

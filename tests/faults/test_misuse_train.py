@@ -26,7 +26,7 @@ from megatron_branchnorm.training import resume_policy
 from megatron_branchnorm.training.run_lock import LOCK_NAME, STALE_S, LockError, RunLock
 from tests.data.conftest import make_opus, run_preprocess
 from tests.faults.common import INJECTOR, TRAIN, records
-from tests.pipeline.conftest import ROOT, free_port, rank_env
+from tests.pipeline.conftest import ROOT, rank_env
 
 pytestmark = pytest.mark.faults
 
@@ -494,7 +494,7 @@ def test_a_real_full_disk_ends_every_rank_with_one_line(tmp_path):
 
 
 def test_a_bad_thread_count_in_the_environment(tmp_path):
-    env = {**rank_env(0, 1, free_port()), "OMP_NUM_THREADS": "abc"}
+    env = {**rank_env(0, 1, None), "OMP_NUM_THREADS": "abc"}
     args = [sys.executable, TRAIN, "--config", "tiny_cpu", f"train.save_dir={tmp_path / 'r'}"]
     done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = error_line((done.returncode, done.stdout, done.stderr))

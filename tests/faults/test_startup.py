@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_branchnorm.runner.launch import free_port, rank_env
+from megatron_branchnorm.runner.launch import RENDEZVOUS_FD, HeldPort, rank_env
 from megatron_branchnorm.training import stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE, REQUEUE_EXIT_CODE
 from tests.faults.common import TRAIN
@@ -39,24 +39,33 @@ pytestmark = pytest.mark.faults
 TIMEOUT_S = 2  # train.collective_timeout_s of the ranks that must time out
 
 
-def _rank(save_dir: Path, rank: int, world: int, port: int, timeout_s: float, **env: str):
-    """train.py as rank ``rank`` of ``world`` at 127.0.0.1:``port``, started now."""
+def _rank(
+    save_dir: Path, rank: int, world: int, held: HeldPort | None, timeout_s: float, **env: str
+):
+    """train.py as rank ``rank`` of ``world`` at 127.0.0.1:``held.port``, started now (rank 0
+    hosts the store on the held socket, as under start_ranks; None: a world of one that hosts
+    its own)."""
     cmd = [
         sys.executable, TRAIN, "--config", "tiny_cpu", "train.max_steps=1",
         f"train.collective_timeout_s={timeout_s}", f"train.save_dir={save_dir}",
     ]  # fmt: skip
-    environ = {**rank_env(rank, world, port), "OMP_NUM_THREADS": "1", **env}
+    environ = {**rank_env(rank, world, held and held.port), "OMP_NUM_THREADS": "1", **env}
+    fds = (held.fileno(),) if held is not None and rank == 0 else ()
+    if fds:
+        environ[RENDEZVOUS_FD] = str(fds[0])
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        pass_fds=fds,
+    )  # fmt: skip
 
 
-def _listens(port: int) -> bool:
-    """Whether a socket of this machine listens on TCP ``port`` (rank 0's rendezvous store)."""
+def _joined(port: int) -> bool:
+    """Whether a connection to TCP ``port`` of this machine is established (rank 0 joining the
+    rendezvous store it hosts there: nothing else connects to it)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in Path(table).read_text().splitlines()[1:]:
             local, state = row.split()[1], row.split()[3]
-            if state == "0A" and int(local.rpartition(":")[2], 16) == port:
+            if state == "01" and int(local.rpartition(":")[2], 16) == port:
                 return True
     return False
 
@@ -77,28 +86,29 @@ def starting_ranks(tmp_path_factory) -> dict[str, tuple[int, str]]:
     lock.parent.mkdir(parents=True)
     lock.touch()
     os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left by a build killed an hour ago
-    term_port = free_port()
-    procs = {
-        "no_master": _rank(base / "a", 1, 2, free_port(), TIMEOUT_S),
-        "no_peer": _rank(base / "b", 0, 2, free_port(), TIMEOUT_S),
-        # only the signal can end this one in time: its rendezvous would wait 120 s
-        "sigterm": _rank(base / "c", 0, 2, term_port, 120),
-        "stale_lock": _rank(
-            base / "d", 0, 1, free_port(), TIMEOUT_S, TORCH_EXTENSIONS_DIR=str(extensions)
-        ),
-    }
-    term = procs["sigterm"]
-    while not _listens(term_port) and term.poll() is None:  # inside the C++ rendezvous
-        time.sleep(0.05)
-    term.send_signal(signal.SIGTERM)
-    out = {}
-    for name, proc in procs.items():
-        try:
-            _, stderr = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, stderr = proc.communicate()
-        out[name] = (proc.returncode, stderr)
+    # held here until every rank has ended; no_master's queues its connection, nobody answers
+    with HeldPort() as no_master, HeldPort() as no_peer, HeldPort() as term_port:
+        procs = {
+            "no_master": _rank(base / "a", 1, 2, no_master, TIMEOUT_S),
+            "no_peer": _rank(base / "b", 0, 2, no_peer, TIMEOUT_S),
+            # only the signal can end this one in time: its rendezvous would wait 120 s
+            "sigterm": _rank(base / "c", 0, 2, term_port, 120),
+            "stale_lock": _rank(
+                base / "d", 0, 1, None, TIMEOUT_S, TORCH_EXTENSIONS_DIR=str(extensions)
+            ),
+        }
+        term = procs["sigterm"]
+        while not _joined(term_port.port) and term.poll() is None:  # inside the C++ rendezvous
+            time.sleep(0.05)
+        term.send_signal(signal.SIGTERM)
+        out = {}
+        for name, proc in procs.items():
+            try:
+                _, stderr = proc.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, stderr = proc.communicate()
+            out[name] = (proc.returncode, stderr)
     return out
 
 
@@ -177,7 +187,7 @@ def _orphaned_rank(tmp_path: Path, what_goes: str) -> tuple[int, str]:
     else:  # the deepspeed command starts the launcher and ends; the launcher waits on
         cmd = [sys.executable, "-c", START_AND_EXIT, "deepspeed", sys.executable]
         cmd += ["-c", LAUNCHER, fake, *rank]
-    env = {**rank_env(0, 1, free_port()), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    env = {**rank_env(0, 1, None), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
     err = tmp_path / "stderr"
     helper = subprocess.run(
         [sys.executable, "-c", HELPER, json.dumps([cmd, env, str(err)])],
@@ -207,6 +217,8 @@ NINJA_STOPPED = "Error building extension 'deepspeed_shm_comm': ninja: build sto
 def _patch_build(monkeypatch, message: str, returncode: int) -> None:
     from deepspeed.accelerator import get_accelerator
 
+    from megatron_branchnorm.training import environment
+
     def load(self, verbose=False):
         try:
             raise subprocess.CalledProcessError(returncode, ["ninja", "-v"])
@@ -218,8 +230,8 @@ def _patch_build(monkeypatch, message: str, returncode: int) -> None:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for key, value in environment.own_rendezvous().items():  # a store this process holds
+        monkeypatch.setenv(key, value)
 
 
 class _Starting:

@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_branchnorm.runner.launch import (
-    free_port,
-    rank_env,  # the environment srun + common.sh give
-)
+from megatron_branchnorm.runner.launch import rank_env  # the environment srun + common.sh give
 from megatron_branchnorm.runner.ranks import start_ranks
 
-__all__ = ["ROOT", "free_port", "launch_ranks", "rank_env"]
+__all__ = ["ROOT", "launch_ranks", "rank_env"]
 
 ROOT = Path(__file__).resolve().parents[2]
 

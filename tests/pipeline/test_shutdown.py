@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_branchnorm.runner.launch import free_port
 from megatron_branchnorm.training import trainer as trainer_mod
 
 
@@ -30,9 +29,8 @@ class _FakeTrainer:
     [(0, True), (75, True), (trainer_mod.TrainError("agreed"), True), (OSError("mine"), False)],
 )
 def test_run_destroys_the_process_group_when_ranks_end_together(monkeypatch, outcome, destroyed):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port held
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         monkeypatch.setattr(trainer_mod, "Trainer", lambda cfg: _FakeTrainer(cfg, outcome))
         if isinstance(outcome, BaseException):
