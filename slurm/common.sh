@@ -17,7 +17,8 @@
 #   GPUS_PER_NODE  ranks per node (default: the allocation's tasks per node)
 #   VENV           a virtualenv to activate; otherwise `python` from PATH
 #   PYTHON         interpreter name or path (default: python)
-#   MASTER_PORT    rendezvous port (default: 20000 + job id mod 20000)
+#   MASTER_PORT    rendezvous port (default: 20000 + job id mod 12000: below Linux's ephemeral
+#                  range, 32768-60999, so no outgoing connection holds it)
 #   GPU_MEMORY     per-GPU memory for the start-up plan printed by tools/plan_memory.py
 #   NO_REQUEUE=1   exit 75 instead of requeueing (for debugging)
 #   MB_SIGNAL_LEAD the --signal lead in seconds, when --signal is given on the sbatch command
@@ -91,7 +92,7 @@ mb_setup_rendezvous() {
         mb_int per_node 1 1024 "SLURM_NTASKS_PER_NODE=$SLURM_NTASKS_PER_NODE"
     fi
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 12000))}
     export MASTER_ADDR MASTER_PORT
     NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
     GPUS_PER_NODE=${GPUS_PER_NODE:-${per_node:-1}}
