@@ -45,6 +45,7 @@ from megatron_branchnorm.data.sampling import allocate, temperature_probs
 from megatron_branchnorm.formats.data_dir import FORMAT as MANIFEST_FORMAT
 from megatron_branchnorm.formats.data_dir import MANIFEST, DataError, read_data_manifest
 from megatron_branchnorm.formats.data_dir import VERSION as MANIFEST_VERSION
+from megatron_branchnorm.formats.files import file_inside
 from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -124,15 +125,15 @@ def open_manifest(data_dir: str | Path) -> dict:
 def read_references(
     data_dir: str | Path, split: str, direction: str
 ) -> tuple[list[str], list[str]]:
-    """The raw (unfiltered) source lines and reference lines of a dev/test direction."""
-    m = open_manifest(data_dir)
+    """The raw (unfiltered) source lines and reference lines of a dev/test direction (files
+    inside DATA_DIR, checked by the manifest's reader)."""
+    open_manifest(data_dir)
     path = Path(data_dir) / MANIFEST
-    refs = m["splits"].get(split, {}).get("references", {})
+    refs = read_data_manifest(data_dir).references(split)
     if direction not in refs:
         raise DataError(f"{path}: no {split} references for direction {direction}")
     out = []
-    for side in ("src", "tgt"):
-        f = Path(data_dir) / refs[direction][side]
+    for f in (refs[direction].src, refs[direction].tgt):
         try:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -221,8 +222,10 @@ class TranslationData:
         self.directions: list[str] = sorted(entries)
         cache: dict[str, IndexedDataset] = {}
 
-        def open_ds(rel: str) -> IndexedDataset:
-            if rel not in cache:
+        def open_ds(rel: str, key: str) -> IndexedDataset:
+            if rel not in cache:  # both files inside DATA_DIR, never another file
+                for suffix in (".idx", ".bin"):
+                    file_inside(self.data_dir, f"{rel}{suffix}", mpath, key, DataError)
                 cache[rel] = IndexedDataset(self.data_dir / rel)
             return cache[rel]
 
@@ -239,7 +242,8 @@ class TranslationData:
         offset = 0
         for name in self.directions:
             e = entries[name]
-            src, tgt = open_ds(e["src"]), open_ds(e["tgt"])
+            key = f"splits.{split}.directions.{name}"
+            src, tgt = open_ds(e["src"], f"{key}.src"), open_ds(e["tgt"], f"{key}.tgt")
             if not (len(src) == len(tgt) == e["sentences"]):
                 raise DataError(
                     f"{src.prefix}.idx has {len(src)} and {tgt.prefix}.idx {len(tgt)} sequences, "

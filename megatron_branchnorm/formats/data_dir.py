@@ -6,8 +6,10 @@ converter and the evaluation read, each checked when present, with a one-line
 :class:`DataError` naming the file and the key otherwise. The structure the training stream
 needs beyond them (directions, sample counts, tag ids) is ``data/dataset.py``'s check.
 
-``spm_model`` must be a plain file name inside DATA_DIR (no directory part, no ``..``, not
-absolute): a manifest never makes us read, hash or copy another file of the machine.
+Every file the manifest names (``spm_model``, the references, the training binaries) is a
+regular file inside DATA_DIR (``formats.files.file_inside``: not absolute, no ``..``, no link
+leading out); ``spm_model`` is moreover a plain file name. A manifest never makes us stat,
+read, hash or copy another file of the machine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from types import MappingProxyType
 from typing import Any
 
 from megatron_branchnorm.errors import UserError
-from megatron_branchnorm.formats.files import quote, read_json_file, sha256_file
+from megatron_branchnorm.formats.files import (
+    file_inside,
+    name_problem,
+    quote,
+    read_json_file,
+    sha256_file,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_branchnorm-data"
@@ -59,7 +67,8 @@ class DataManifest:
     """None when not recorded (a DATA_DIR written only for evaluation)."""
     languages: tuple[str, ...]
     spm_model: str
-    """A plain file name inside :attr:`data_dir` (checked; the file may be missing)."""
+    """A plain file name inside :attr:`data_dir` (checked, not a link; the file may be
+    missing)."""
     pivot: str
     sha256: str
     """Of the manifest file's bytes: the identity of the data a checkpoint records."""
@@ -73,6 +82,11 @@ class DataManifest:
     @property
     def spm_path(self) -> Path:
         return self.data_dir / self.spm_model
+
+    def file(self, name: object, key: str, must_exist: bool = True) -> Path:
+        """The file ``name`` (the value of ``key``) names inside DATA_DIR: a regular file,
+        never one outside it; :class:`DataError` naming the manifest and the key otherwise."""
+        return file_inside(self.data_dir, name, self.path, key, DataError, must_exist)
 
     def split_names(self, with_references: bool = False) -> list[str]:
         splits = self.raw.get("splits")
@@ -106,16 +120,20 @@ class DataManifest:
             key = f"splits.{split}.references.{name}"
             if len(parts) != 2 or not all(parts) or not isinstance(entry, Mapping):
                 raise DataError(f"{where}: bad reference entry {name!r} in split {split!r}")
-            paths = [entry.get(side) for side in ("src", "tgt")]
-            if not all(isinstance(p, str) and p and "\x00" not in p for p in paths):
+            if "src" not in entry or "tgt" not in entry:
                 raise DataError(f"{where}: key {key} needs 'src' and 'tgt' paths")
-            src, tgt = (self.data_dir / p for p in paths)
-            sums = entry.get("sha256")  # recorded by preprocess since issue 31
+            sums = entry.get("sha256", {})  # absent from manifests of older preprocessing
+            if not isinstance(sums, Mapping) or not all(
+                isinstance(sums.get(side, ""), str) for side in ("src", "tgt")
+            ):
+                raise DataError(
+                    f"{where}: key {key}.sha256 must be an object of hex digests "
+                    f"{{src, tgt}}, got {quote(sums)}"
+                )
+            src, tgt = (self.file(entry[side], f"{key}.{side}") for side in ("src", "tgt"))
             for side, path in (("src", src), ("tgt", tgt)):
-                if not path.is_file():
-                    raise DataError(f"{path}: missing (listed in {where} for {split} {name})")
-                expected = sums.get(side) if isinstance(sums, Mapping) else None
-                if isinstance(expected, str) and sha256_file(path) != expected:
+                expected = sums.get(side)
+                if expected is not None and sha256_file(path) != expected:
                     # a reference shifted by one line (same count) would score silently
                     raise DataError(
                         f"{path}: not the {split} {name} {side} file preprocess wrote (its "
@@ -127,19 +145,18 @@ class DataManifest:
 
 
 def check_spm_model_name(name: object, where: Path) -> str:
-    """The rule for ``spm_model``: a plain file name inside the data directory."""
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or Path(name).name != name
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-    ):
+    """The rule for ``spm_model``: a plain file name inside the data directory (the shared
+    rule of :func:`formats.files.file_inside`, with no directory part), not a link; the file
+    may be missing."""
+    problem = name_problem(name)
+    if problem is None and "/" in str(name):
+        problem = f"{quote(name)} has a directory part; only a plain file name is allowed"
+    if problem is not None:
         raise DataError(
-            f"{where}: key spm_model must be a file name inside {where.parent}, got {quote(name)}"
+            f"{where}: key spm_model must be a file name inside {where.parent}: {problem}"
         )
-    return name
+    file_inside(where.parent, name, where, "spm_model", DataError, must_exist=False)
+    return str(name)
 
 
 def read_data_manifest(data_dir: str | Path) -> DataManifest:

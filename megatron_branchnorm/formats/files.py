@@ -166,44 +166,45 @@ def file_inside(
     directory: str | Path,
     name: object,
     where: str | Path,
-    key: str,
+    key: str | None,
     error: type[Exception] = FileShapeError,
     must_exist: bool = True,
 ) -> Path:
     """The file ``name`` names inside ``directory``, as a manifest (``where``, its ``key``)
     names it: the one rule of every manifest reader (a DATA_DIR's ``manifest.json``, an
     export's ``export.json``, a checkpoint's ``checksums.json``, a run's marker and records).
+    With ``key`` None, ``name`` is one of the fixed names of the directory ``where``.
 
-    ``name`` must pass :func:`name_problem` (checked as text first), resolve inside
-    ``directory`` (no symbolic link on the way leads out of it), and be a regular file that is
-    not itself a link. ``error`` with one line naming ``where`` and ``key`` otherwise; with
-    ``must_exist`` False a missing file is allowed (the path is returned) but everything else
-    is still checked."""
+    ``name`` must pass :func:`name_problem` (checked as text first, so an absolute or ``..``
+    name touches no file), resolve inside ``directory`` (no symbolic link on the way leads out
+    of it), and be a regular file that is not itself a link. ``error`` with one line naming
+    ``where`` and ``key`` otherwise; with ``must_exist`` False a missing file is allowed (the
+    path is returned) but everything else is still checked."""
+    at = f"{where}: key {key}" if key is not None else str(where)
+    named = f"named by key {key} of {where}" if key is not None else f"in {where}"
     problem = name_problem(name)
     if problem:
-        raise error(f"{where}: key {key}: {problem}")
+        raise error(f"{at}: {problem}")
     base = Path(directory)
-    path = base / name
+    path = base / str(name)
     try:
         root = base.resolve(strict=True)
         resolved = path.resolve(strict=False)
     except (OSError, RuntimeError) as exc:  # a link loop, an unreadable directory
-        raise error(
-            f"{where}: key {key}: {quote(name)} cannot be resolved ({one_line(exc)})"
-        ) from None
+        raise error(f"{at}: {quote(name)} cannot be resolved ({one_line(exc)})") from None
     if resolved != root and root not in resolved.parents:
-        raise error(f"{where}: key {key}: {quote(name)} leads out of {base} (a symbolic link)")
+        raise error(f"{path}: leads out of {base} through a symbolic link ({named}); not allowed")
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
         if must_exist:
-            raise error(f"{path}: missing (named by key {key} of {where})") from None
+            raise error(f"{path}: missing ({named})") from None
         return path
     except OSError as exc:
         raise error(f"{path}: unreadable ({one_line(exc.strerror or exc)})") from None
     if stat.S_ISLNK(mode):
-        raise error(f"{path}: a symbolic link (named by key {key} of {where}); not allowed")
+        raise error(f"{path}: a symbolic link ({named}); not allowed")
     if not stat.S_ISREG(mode):
         what = next((label for test, label in _NOT_REGULAR if test(mode)), "not a file")
-        raise error(f"{path}: {what}, not a regular file (named by key {key} of {where})")
+        raise error(f"{path}: {what}, not a regular file ({named})")
     return path

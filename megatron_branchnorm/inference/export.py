@@ -11,6 +11,9 @@
     model, sp, meta = load_export("exports/run1")
 
 Loading never unpickles anything: weights come from safetensors, the rest is YAML and JSON.
+Every file it opens or hashes (the fixed names above, the names export.json's ``sha256``
+lists) is a regular file inside the export, not a link (``formats.files.file_inside``): an
+export never makes us stat, hash or read another file of the machine.
 config.yaml is checked against the safetensors header (tensor names, shapes, dtypes) before
 the model is built, so an export whose config disagrees with its weights allocates nothing.
 A Post-LN-family model (postln, deepnorm, branchnorm at its current step: a scheme that is
@@ -37,13 +40,14 @@ from megatron_branchnorm.config import ConfigError, ModelConfig
 from megatron_branchnorm.config import model_config_from_dict as parse_model_config
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
-from megatron_branchnorm.formats.checkpoint import sha256_file
 from megatron_branchnorm.formats.files import (
     FileShapeError,
+    file_inside,
     one_line,
     quote,
     read_json_object,
     read_small_file,
+    sha256_file,
 )
 from megatron_branchnorm.formats.outputs import (
     OutputError,
@@ -232,14 +236,33 @@ def _read_meta(export_dir: Path) -> dict[str, Any]:
         raise ExportError(f"{path}: not a {EXPORT_FORMAT} file")
     if meta.get("version") != EXPORT_VERSION:
         raise ExportError(f"{path}: unsupported export version {quote(meta.get('version'))}")
+    sums = meta.get("sha256", {})
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise ExportError(
+            f"{path}: key sha256 must be an object of file name: hex digest, got {quote(sums)}"
+        )
     return meta
+
+
+def _listed_files(export_dir: Path, meta: dict[str, Any]) -> dict[Path, str]:
+    """{file: its recorded sha256} of export.json's ``sha256``, each name a regular file
+    inside ``export_dir`` (:func:`file_inside`): a name never makes us stat or hash another
+    file of the machine."""
+    where = export_dir / META
+    return {
+        file_inside(export_dir, name, where, "sha256", ExportError): expected
+        for name, expected in meta.get("sha256", {}).items()
+    }
+
+
+def _own_file(export_dir: Path, name: str, must_exist: bool = True) -> Path:
+    """``export_dir/name`` (a fixed name of the export): a regular file, not a link out."""
+    return file_inside(export_dir, name, export_dir, None, ExportError, must_exist)
 
 
 def read_export_config(export_dir: str | Path) -> ModelConfig:
     """The ModelConfig stored in ``export_dir/config.yaml``."""
-    path = Path(export_dir) / CONFIG
-    if not path.is_file():
-        raise ExportError(f"{path}: missing")
+    path = _own_file(Path(export_dir), CONFIG)
     try:  # a regular file, read bounded (UTF-8: at most 4 bytes a character of the limit)
         text = read_small_file(path, 4 * YAML_MAX_BYTES).decode("utf-8")
         data = load_bounded(text, str(path))
@@ -255,11 +278,7 @@ def read_export_config(export_dir: str | Path) -> ModelConfig:
 
 
 def _verify_checksums(export_dir: Path, meta: dict[str, Any]) -> None:
-    sums = meta.get("sha256", {})
-    for name, expected in sums.items():
-        path = export_dir / name
-        if not path.is_file():
-            raise ExportError(f"{path}: missing (listed in {META})")
+    for path, expected in _listed_files(export_dir, meta).items():
         if sha256_file(path) != expected:
             raise ExportError(f"{path}: checksum mismatch (corrupt or modified file)")
 
@@ -369,9 +388,7 @@ def load_export(
         raise ExportError(f"{export_dir}: not a directory (an export directory is expected)")
     meta = _read_meta(export_dir)
     cfg = read_export_config(export_dir)
-    weights = export_dir / WEIGHTS
-    if not weights.is_file():
-        raise ExportError(f"{weights}: missing")
+    weights = _own_file(export_dir, WEIGHTS)
     if verify:
         _verify_checksums(export_dir, meta)
     check_config_against_weights(cfg, read_weights_header(weights), export_dir / CONFIG, weights)
@@ -389,10 +406,8 @@ def load_export(
 
 
 def _load_spm(export_dir: Path, meta: dict[str, Any]) -> Any:
-    path = export_dir / SPM
-    if not path.is_file():
-        if SPM in meta.get("sha256", {}):
-            raise ExportError(f"{path}: missing (listed in {META})")
+    path = _own_file(export_dir, SPM, must_exist=SPM in meta.get("sha256", {}))
+    if not path.exists():
         return None
     import sentencepiece as spm
 
