@@ -146,8 +146,8 @@ def test_hf_export_of_a_crafted_export_is_refused_before_building(
     pytest.importorskip("transformers")
     from megatron_branchnorm.inference.hf_export import export_hf
 
-    _set_config(tiny_export, encoder_layers=100_000)
-    with pytest.raises(ExportError, match=r"config\.yaml: key model\.encoder_layers is 100000"):
+    _set_config(tiny_export, encoder_layers=9_999)  # within the config's bound of 10,000
+    with pytest.raises(ExportError, match=r"config\.yaml: key model\.encoder_layers is 9999"):
         export_hf(tiny_export, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
