@@ -166,7 +166,8 @@ def _preprocess(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run preprocessing and print a summary. Bad input (a flag, a file, an output over the
-    input) is one line ``error: ...`` and exit 2; Ctrl-C exits 130 and leaves no output."""
+    input) and a worker process that died (killed, out of memory) are one line ``error: ...``
+    and exit 2; Ctrl-C exits 130; neither leaves output."""
     return run_main(_preprocess, argv)
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from megatron_branchnorm.data.text import read_lines
+from megatron_branchnorm.data.text import LongLine, read_lines, read_past_line
 from megatron_branchnorm.formats.data_dir import DataError
 
 FORMATS = ("opus100", "moses", "plain")
@@ -194,25 +193,38 @@ def hold_out_labels(n: int, dev_size: int, test_size: int, seed: int) -> np.ndar
 
 
 class LineReader:
-    """Whole lines of an input file, ``n`` at a time, as one block of bytes; an OSError
-    becomes a DataError naming the file."""
+    """Whole lines of an input file, ``n`` at a time, as one block of bytes; a line over
+    ``max_line_bytes`` bytes is read past (:func:`text.read_past_line`) and stands in the
+    block as an empty line. An OSError becomes a DataError naming the file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_line_bytes: int) -> None:
         self.path = path
+        self.max_line_bytes = max_line_bytes
         self.lines = 0
         try:
             self._f = open(path, "rb")  # noqa: SIM115 (closed by close())
         except OSError as exc:
             raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
-    def take(self, n: int) -> tuple[bytes, int]:
-        """The next ``n`` lines (fewer at the end of the file) and how many there were."""
+    def take(self, n: int) -> tuple[bytes, int, dict[int, LongLine]]:
+        """The next ``n`` lines (fewer at the end of the file), how many there were, and the
+        lines over ``max_line_bytes`` among them, by their 0-based number in the block."""
+        lines: list[bytes] = []
+        long: dict[int, LongLine] = {}
+        readline, cap = self._f.readline, self.max_line_bytes
         try:
-            lines = list(islice(self._f, n))
+            while len(lines) < n:
+                line = readline(cap + 1)
+                if len(line) > cap and not line.endswith(b"\n"):
+                    long[len(lines)] = read_past_line(self._f, line)
+                    line = b"\n"
+                elif not line:
+                    break
+                lines.append(line)
         except OSError as exc:
             raise DataError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
         self.lines += len(lines)
-        return b"".join(lines), len(lines)
+        return b"".join(lines), len(lines), long
 
     def close(self) -> None:
         self._f.close()

@@ -84,9 +84,14 @@ def encode_all(
         for key, st in split_states.items():
             yield ("start", key, 0), None
             limit = max_len if key[1] == "train" else None
-            for (p0, o0), (p1, o1) in zip(st.cuts, st.cuts[1:], strict=False):
-                yield ("chunk", key, 0), (st.spill[0], p0, p1, st.spill[1], o0, o1, limit)
+            for i, ((p0, o0), (p1, o1)) in enumerate(zip(st.cuts, st.cuts[1:], strict=False)):
+                yield ("chunk", key, i), (st.spill[0], p0, p1, st.spill[1], o0, o1, limit)
             yield ("end", key, 0), None
+
+    def doing(meta: tuple) -> str:
+        _, (lang, split), i = meta
+        chunks = len(split_states[(lang, split)].cuts) - 1
+        return f"encoding chunk {i + 1} of {chunks} of {split} {pair_name(pivot, lang)}"
 
     total = 2 * sum(st.kept for st in split_states.values())
     bar = progress_bar(progress, total=total, unit="sent", desc="encode")
@@ -96,7 +101,7 @@ def encode_all(
         with worker_pool(workers, stats, spm_lib.init_worker, (model_file,)) as pool:
             if pool is None:
                 spm_lib.init_worker(model_file, pool_worker=False)
-            for (kind, key, _), res in in_order(_encode_span, tasks(), pool, workers):
+            for (kind, key, _), res in in_order(_encode_span, tasks(), pool, workers, doing):
                 lang, split = key
                 if kind == "start":
                     pair = pair_name(pivot, lang)

@@ -11,9 +11,10 @@ the worker pool and the output staging live beside it, one job each:
    chunks of lines, checked (equal line counts, UTF-8: the same errors, naming file and line,
    as reading them whole) and cleaned (:func:`text.clean`) by ``workers`` processes; a pair is
    dropped, and counted, when a side had invalid UTF-8 (``--on-bad-utf8 skip``) or is empty
-   after cleaning. The cleaned lines go to spill files (``spill/`` in the temporary
-   directory), the raw dev/test text to ``raw/<split>.<pair>.<lang>`` (every line, unfiltered:
-   the evaluation references). A moses pair without dev/test files holds them out by a
+   after cleaning, or (``too_long``) when a training side is over :data:`MAX_LINE_BYTES`,
+   which no pass holds in memory (such a dev/test line is an error). The cleaned lines go to
+   spill files (``spill/`` in the temporary directory), the raw dev/test text to
+   ``raw/<split>.<pair>.<lang>`` (every line, unfiltered: the evaluation references). A moses pair without dev/test files holds them out by a
    one-byte split label per line (:func:`corpora.hold_out_labels`);
 2. ``spm_sample``: the temperature-sampled mix of training sentences (:func:`spm.sample_plan`)
    is read back from the spill files, only the chosen lines;
@@ -31,7 +32,9 @@ looks complete. The temporary directory carries :data:`dirs.TEMP_MARKER` naming 
 writes it (host, pid and the pid's start time); a later run of the same DATA_DIR removes, and
 says so in one line, the temporary directories of runs that no longer run (killed by SIGKILL, a
 lost node), never one of a live run or one without that marker. Worker processes (the
-SentencePiece trainer among them) die with the run (:func:`workers.die_with_parent`).
+SentencePiece trainer among them) die with the run (:func:`workers.die_with_parent`); a worker
+that dies (SIGKILL, the OOM killer, an abort) ends the run with one line naming it, its task
+and how it ended (:class:`workers.WorkerLost`), and nothing is published.
 DATA_DIR carries the marker :data:`megatron_branchnorm.formats.outputs.MARKER` (kind ``data``):
 ``overwrite`` replaces only a directory with that marker (or an older DATA_DIR with our
 manifest) that holds nothing but a DATA_DIR's own entries (formats/dirs.py), never the input
@@ -78,6 +81,11 @@ FILTERS = ("bad_utf8", "empty", "too_long")
 CHUNK_LINES = 2000
 """Input lines per cleaning task; cleaned lines (at least) per encoding task. Read when a run
 starts and handed to the first pass (data/clean_pass.py), which cuts the encoding chunks."""
+MAX_LINE_BYTES = 1 << 20
+"""The most bytes of one corpus line any pass holds (read when a run starts, handed to the
+first pass): a training pair with a longer side is dropped as ``too_long`` before cleaning
+(far over what ``--max-len`` tokens hold; cleaning and encoding take some 50 times a line's
+bytes), such a dev/test line is an error (its references keep every line)."""
 SAMPLE_BLOCK_LINES = 4096
 SPILL_DIR = "spill"
 PHASES = ("read_clean", "spm_sample", "spm_train", "encode_write", "finish")
@@ -190,11 +198,13 @@ def _train_spm(
     return spm_lib.train_spm(_sample_sentences(sample), count, prefix, languages, opts)
 
 
-def _train_in_child(stats: PhaseStats, *args: Any) -> dict:
+def _train_in_child(stats: PhaseStats, sample: Path, count: int, *args: Any) -> dict:
     """:func:`_train_spm` in a child process, so that the trainer's memory goes back to the
     system when it ends (a process keeps its heap) and no encoding worker inherits it."""
     with worker_pool(1, stats, inline_one=False) as pool:
-        return pool.apply_async(_train_spm, args).get()
+        assert pool is not None
+        doing = f"training SentencePiece on {count} sentences"
+        return pool.result(pool.submit(_train_spm, (sample, count, *args), doing))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +301,7 @@ def _build(
             workers=opts.workers,
             progress=opts.progress,
             chunk_lines=CHUNK_LINES,
+            max_line_bytes=MAX_LINE_BYTES,
         )
     for lang in langs:
         st = split_states[(lang, "train")]

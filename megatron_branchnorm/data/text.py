@@ -3,7 +3,9 @@
 Lines are split on ``\\n`` only: ``\\r``, U+2028, NUL, form feed and a BOM inside a line never
 split or shift it (Python's ``str.splitlines`` would). :func:`read_lines` reads a whole file;
 preprocessing streams blocks of whole lines through :func:`decode_block`, :func:`clean_lines`
-and :func:`reference_block`, which give the same lines, errors and text line for line.
+and :func:`reference_block`, which give the same lines, errors and text line for line. It holds
+at most a cap of bytes of any line: a longer line is read past in blocks by
+:func:`read_past_line` (checked for UTF-8), which keeps only its length.
 
 * :func:`clean` (training text and encoded dev/test): control characters and the byte-order
   mark removed, every kind of whitespace collapsed to one space, ends stripped.
@@ -14,8 +16,11 @@ and :func:`reference_block`, which give the same lines, errors and text line for
 
 from __future__ import annotations
 
+import codecs
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from megatron_branchnorm.formats.data_dir import DataError
 
@@ -99,6 +104,38 @@ def decode_block(block: bytes) -> tuple[list[str], list[int], tuple[int, int, in
             lines.append(b.decode("utf-8", errors="replace"))
             bad.append(i)
     return lines, bad, first
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """A line over a reader's byte cap, read past without keeping it (:func:`read_past_line`)."""
+
+    nbytes: int
+    """Its length in bytes, without the ``\\n``."""
+    bad_utf8: tuple[int, int] | None
+    """Its first invalid UTF-8: (1-based column, byte), as :func:`decode_block` reports it;
+    None when the line is valid UTF-8."""
+
+
+def read_past_line(f: BinaryIO, head: bytes) -> LongLine:
+    """The rest of a line of ``f`` over the cap of its reader, whose first cap + 1 bytes
+    ``head`` were read (``f.readline(cap + 1)``): read in blocks of at most that many bytes and
+    checked for UTF-8, so that memory never holds more of the line."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    nbytes, bad, chunk = 0, None, head
+    while True:
+        last = not chunk or chunk.endswith(b"\n")
+        data = chunk[:-1] if chunk.endswith(b"\n") else chunk
+        if bad is None:
+            held = len(decoder.getstate()[0])  # bytes of an unfinished character, kept back
+            try:
+                decoder.decode(data, final=last)
+            except UnicodeDecodeError as exc:
+                bad = (nbytes - held + exc.start + 1, exc.object[exc.start])
+        nbytes += len(data)
+        if last:
+            return LongLine(nbytes, bad)
+        chunk = f.readline(len(head))
 
 
 def read_lines(path: str | Path, on_bad_utf8: str = "error") -> tuple[list[str], list[int]]:
