@@ -87,6 +87,49 @@ FRONT_DOORS: tuple[FrontDoor, ...] = (
 )
 """Every front door, once."""
 
+OUTPUT_OPTIONS: dict[str, dict[str, str]] = {
+    "train": {},  # train.save_dir is a config key: formats.dirs.check_run_dir
+    "preprocess": {"--output": "dir", "--stats": "file"},
+    "convert": {"--output": "dir"},
+    "translate": {"--output": "file"},
+    "evaluate": {"--json": "file", "--hyp-dir": "dir"},
+    "plan": {},
+    "plot": {"--output": "file"},
+    "corpus": {"--output": "dir"},
+    "opus_like": {"--output": "dir"},
+    "watch_bleu": {},  # valid_bleu.jsonl inside the run it scores, a run's own entry
+    "demo": {"--out": "dir"},
+    "rehearse": {"--workdir": "dir", "--json": "file", "--markdown": "file"},
+    "gpu_check": {"--workdir": "dir", "--json": "file"},
+    "local_slurm": {"--dir": "dir"},
+    "rehearse_slurm": {"--work": "dir"},
+    "rehearse_node_loss": {"--work": "dir"},
+    "analyze_model": {"--output": "file", "--json": "file"},
+    "bench_anchors": {},
+    "bench_micro": {},
+    "bench_models": {},
+    "bench_pipeline_shapes": {},
+    "bench_plan": {"--work": "dir", "--json": "file"},
+    "benchmark": {"--workdir": "dir", "--json": "file"},
+    "compare_metrics": {},
+    "depth_study": {"--out": "dir"},
+    "fairseq_side_by_side": {"--out": "dir"},
+    "fault_inject": {},  # the trainer's command line
+    "fault_sweep": {"--out": "dir"},
+    "gpu_bench": {"--workdir": "dir", "--json": "file"},
+    "graph_pool": {},
+    "launches": {"--json": "file", "--out": "file"},
+    "probe_learning": {"--output": "file"},
+    "source_dependence": {},
+    "sweep": {"submit --out": "dir", "table --markdown": "file", "table --json": "file"},
+}
+"""Every option of every front door (by its name) that names a file (``"file"``) or a
+directory (``"dir"``) it writes, a sub-command's as ``"SUB --flag"``. Each goes through
+formats/outputs.py's placement rules (never over an input, never inside a directory of a
+known kind unless it is the tool's own output, never over what the tool did not write without
+``--overwrite``), checked before any work; tests/faults/test_output_placement.py checks this
+table against each door's parser and runs every option against a run's files and a user's."""
+
 COMMANDS = {d.name: d.module for d in FRONT_DOORS if d.kind in ("command", "workflow")}
 """Each user command's name (a command's or a workflow's) and the module whose ``main`` it
 runs (``python -m MODULE``; ``runner.launch.tool_command(name)``)."""

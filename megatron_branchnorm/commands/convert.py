@@ -98,21 +98,27 @@ def _convert(argv: list[str] | None) -> int:
             "with the whole state (docs/design.md §17)"
         )
         return 0
-    # Before any work: the output must not overlap the run or its data, and --overwrite
-    # only ever replaces a directory this tool wrote.
+    # Before any work: the output must not overlap the run or its data, nor lie inside a
+    # directory of a known kind, and --overwrite only ever replaces a directory this tool
+    # wrote; checked before the checkpoint is read, again once its data.dataset is known.
     refuse_overlap(args.output, [("--checkpoint", save_dir)], "--output")
+
+    def check_output(inputs: list[tuple[str, str | Path | None]]) -> None:
+        if args.format == "native":
+            prepare_export_dir(args.output, args.overwrite, "--output", inputs)
+        else:
+            from megatron_branchnorm.formats.outputs import prepare_output
+            from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
+
+            prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
+
+    check_output([("--checkpoint", save_dir)])
     tags = resolve_tags(save_dir, args.tag, args.average_last, args.average_best)
-    inputs = [
+    inputs: list[tuple[str, str | Path | None]] = [
         ("--checkpoint", save_dir),
         ("the checkpoint's data.dataset", dataset_of(save_dir / tags[-1])),
     ]
-    if args.format == "native":
-        prepare_export_dir(args.output, args.overwrite, "--output", inputs)
-    else:
-        from megatron_branchnorm.formats.outputs import prepare_output
-        from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
-
-        prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
+    check_output(inputs)
     model, meta = load_pipeline_checkpoint(save_dir, tags[-1], args.average_last, args.average_best)
     vocab = checkpoint_vocabulary(save_dir, meta["averaged"] or [meta["tag"]])
     directions, unknown = trained_directions(save_dir / meta["tag"])

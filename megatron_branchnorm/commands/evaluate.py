@@ -19,17 +19,31 @@ apart. Any of --bleu, --lowercase, --tokenize,
 --compound-split sets the scoring by hand instead: --tokenize picks sacreBLEU's tokenizer
 (default: by target language: zh; ja-mecab or char; 13a otherwise). The signature of every
 score is printed.
+
+--json and --hyp-dir are checked before the model is loaded: never inside a run (or its
+checkpoints), a DATA_DIR, an export or another tool's directory. An existing --json is replaced
+when it is a report of ours, another file only with --overwrite. --hyp-dir is a new or empty
+directory or an earlier --hyp-dir (its marker), replaced whole once every direction is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from pathlib import Path
 
 from megatron_branchnorm.cli import ArgumentParser, int_flag, run_main
+from megatron_branchnorm.formats.dirs import HYPOTHESES
 from megatron_branchnorm.formats.files import quote
-from megatron_branchnorm.formats.outputs import write_stdout, write_text_output
+from megatron_branchnorm.formats.outputs import (
+    publish_dir,
+    temp_dir_beside,
+    write_marker,
+    write_stdout,
+    write_text_output,
+)
 
 PROG = "evaluate.py"
 SPLITS = ("dev", "test")
@@ -52,8 +66,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="score as the paper does for this task (default auto: from the DATA_DIR; none: "
         "cased sacreBLEU); ignored when a scoring flag is given",
     )
-    p.add_argument("--json", default=None, help="write the report as JSON to this file")
-    p.add_argument("--hyp-dir", default=None, help="write hypotheses as DIR/<src>-<tgt>.txt")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the report as JSON to this file: a new file or an earlier report of ours, "
+        "never inside a run, a DATA_DIR, an export or another tool's directory",
+    )
+    p.add_argument(
+        "--hyp-dir",
+        default=None,
+        help="write hypotheses as DIR/<src>-<tgt>.txt: a new or empty directory or an earlier "
+        "--hyp-dir (replaced whole when complete)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --json that is not a report of ours, or an --hyp-dir "
+        "written before it carried a marker; never a directory of another kind",
+    )
     p.add_argument("--directions", default=None, help="comma-separated subset, e.g. de-en,en-de")
     p.add_argument(
         "--max-sentences", type=int_flag(1), default=None, help="first N sentences per direction"
@@ -95,7 +125,7 @@ def _evaluate(argv: list[str] | None) -> int:
             raise EvaluationError(f"--directions {quote(args.directions)}: names no direction")
     directions = select_directions(references_from_manifest(args.data, args.split), wanted)
     # Before any work: no output may overwrite the data, its references or the export.
-    check_outputs(args.json, args.hyp_dir, directions, args.data, args.model)
+    check_outputs(args.json, args.hyp_dir, directions, args.data, args.model, args.overwrite)
     translator = Translator.from_export(args.model)
     for d in directions:  # untrained directions are evaluated too, marked zero-shot
         translator.check_languages(d.src_lang, d.tgt_lang)
@@ -108,18 +138,27 @@ def _evaluate(argv: list[str] | None) -> int:
         bar = tqdm(total=total, unit="sent", desc=name, file=sys.stderr, leave=False)
         return bar.update
 
-    report = evaluate(
-        translator,
-        directions,
-        opts,
-        args.lowercase,
-        args.hyp_dir,
-        args.max_sentences,
-        pivot_language(args.data),
-        progress,
-        scoring,
-        chosen["task_directions"] or None,
-    )
+    hyp_tmp = None if args.hyp_dir is None else temp_dir_beside(Path(args.hyp_dir), "evaluate")
+    try:
+        report = evaluate(
+            translator,
+            directions,
+            opts,
+            args.lowercase,
+            hyp_tmp,
+            args.max_sentences,
+            pivot_language(args.data),
+            progress,
+            scoring,
+            chosen["task_directions"] or None,
+        )
+        if hyp_tmp is not None:
+            write_marker(hyp_tmp, "evaluate", HYPOTHESES.name)
+            publish_dir(hyp_tmp, Path(args.hyp_dir))
+    except BaseException:
+        if hyp_tmp is not None:
+            shutil.rmtree(hyp_tmp, ignore_errors=True)
+        raise
     report["scoring"] = describe_scoring(chosen, scoring, directions, args.split, args.data)
     if args.json:
         write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")

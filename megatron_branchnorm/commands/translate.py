@@ -9,6 +9,12 @@ One output line per input line (an empty input line gives an empty output line).
 ``--nbest K`` (K > 1) each input line gives K lines ``index<TAB>rank<TAB>score<TAB>text``.
 A direction the model was not trained on (export.json ``directions``; a language into itself
 when they are not recorded) is refused unless ``--zero-shot`` is given.
+
+``--output`` is checked before the model is loaded: never over the input or the export, never
+inside a run (or its checkpoints), a DATA_DIR, an export or another tool's directory, and never
+over an existing file without ``--overwrite``: a translation is plain text, so an earlier one
+cannot be told from a user's file. Stdout (no ``--output``, or ``-``) and a device such as
+/dev/null are written as they are.
 """
 
 from __future__ import annotations
@@ -85,7 +91,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--src-lang", required=True, help="source language code, e.g. de")
     p.add_argument("--tgt-lang", required=True, help="target language code, e.g. en")
     p.add_argument("--input", default=None, help="input text file (default: stdin)")
-    p.add_argument("--output", default=None, help="output file (default: stdout)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="output file (default: stdout): a new file, never inside a run, a DATA_DIR, an "
+        "export or another tool's directory",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output (a translation cannot be recognised as ours)",
+    )
     p.add_argument(
         "--zero-shot",
         action="store_true",
@@ -113,13 +129,16 @@ def _translate(argv: list[str] | None) -> int:
     from_file = args.input not in (None, "-")
     if to_file:
         # Before any work: an output over the input or the export would destroy it.
+        if not from_file and stdin_is(args.output):
+            raise OutputError(f"--output {args.output}: is the file stdin reads from")
         check_output_file(
             args.output,
             "--output",
             [("--input", args.input if from_file else None), ("--model", args.model)],
+            lambda _: False,
+            "a file translate can recognise as its own (a translation is plain text)",
+            args.overwrite,
         )
-        if not from_file and stdin_is(args.output):
-            raise OutputError(f"--output {args.output}: is the file stdin reads from")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     opts = SearchOptions(

@@ -51,12 +51,15 @@ class DirectoryError(UserError, ValueError):
 @dataclass(frozen=True)
 class Kind:
     """One kind of directory: its marker's ``kind``, the tool that writes it, a description
-    for messages, and the top-level entries (glob patterns) it owns."""
+    for messages, the top-level entries (glob patterns) it owns, and whether its tool puts
+    other tools' output directories inside it (a workflow's ``data``, ``export``...; any other
+    tool's directory output never goes inside one of this kind)."""
 
     name: str
     tool: str
     described: str
     entries: tuple[str, ...]
+    holds_outputs: bool = False
 
     def owns(self, name: str) -> bool:
         return name == MARKER or any(fnmatchcase(name, pattern) for pattern in self.entries)
@@ -138,27 +141,41 @@ REHEARSAL = Kind(
     "rehearse",
     "a rehearsal's workdir",
     ("runs.json", "logs", "uninterrupted", "interrupted", "reference", "spm", "export"),
+    holds_outputs=True,
 )
 DEMO = Kind(
     "demo",
     "run_demo",
     "a demo's output",
     ("report.md", "corpus", "data", "train", "export", "eval", "logs", "plots"),
+    holds_outputs=True,
 )
 SIDE_BY_SIDE = Kind(
     "side_by_side",
     "fairseq_side_by_side",
     "a fairseq side-by-side output",
     ("fairseq", "corpus", "data", "logs", "side_by_side.json", "report.md"),
+    holds_outputs=True,
 )
 DEPTH_STUDY = Kind(
-    "depth_study", "depth_study", "a depth study's output", ("cells", "corpus", "data", "table.md")
+    "depth_study",
+    "depth_study",
+    "a depth study's output",
+    ("cells", "corpus", "data", "table.md"),
+    holds_outputs=True,
 )
 FAULT_SWEEP = Kind(
     "fault_sweep",
     "fault_sweep",
     "a fault sweep's output",
     ("reference", "kill_points", "corruption", "soak", "hang", "*.json"),
+    holds_outputs=True,
+)
+HYPOTHESES = Kind(
+    "hypotheses",
+    "evaluate",
+    "a hypothesis directory written by evaluate --hyp-dir",
+    ("*.txt",),  # inference/evaluate.hypothesis_path: <src>-<tgt>.txt
 )
 KINDS: dict[str, Kind] = {
     k.name: k
@@ -173,6 +190,7 @@ KINDS: dict[str, Kind] = {
         SIDE_BY_SIDE,
         DEPTH_STUDY,
         FAULT_SWEEP,
+        HYPOTHESES,
     )
 }
 """Every kind, by its marker name."""
@@ -321,6 +339,13 @@ def enclosing_kind(path: str | Path) -> tuple[Path, str, str] | None:
             if found is not None:
                 return parent, found[0], found[1]
     return None
+
+
+def holds_outputs(kind: str) -> bool:
+    """Whether a directory of ``kind`` may hold other tools' output directories (a workflow's
+    or an experiment's own directory); False for an unknown kind."""
+    known = KINDS.get(kind)
+    return known is not None and known.holds_outputs
 
 
 def identify(path: str | Path) -> str | None:

@@ -7,6 +7,12 @@ half-written looks complete.
   finds it of the same kind holding only what that kind owns (:func:`prepare_output`), never a
   directory a user made or another tool wrote. ``formats/dirs.py`` owns the kinds, their
   layouts and how each is recognised.
+- A side output (a file beside the main work: ``--stats``, a plot, a translation, a report;
+  evaluate's ``--hyp-dir``) never goes inside a directory of a known kind and never replaces
+  a file or directory it cannot recognise as its own without ``--overwrite``
+  (:func:`check_output_file` with a recogniser, :func:`prepare_side_dir`); every front door
+  declares such options in ``commands.OUTPUT_OPTIONS``, and
+  tests/faults/test_output_placement.py runs each against a run's files and a user's file.
 - Writers publish by renaming a finished temporary file or directory
   (:func:`temp_dir_beside`, :func:`publish_dir`, :func:`write_text_output`); a temporary
   directory is marked with its owner (formats/owners.py), so a rerun removes only the dead
@@ -105,11 +111,14 @@ def prepare_output(
     under a regular file, and either absent/empty or (with ``overwrite``) written by us as
     ``kind`` (its marker, or recognised by formats/dirs.py or ``legacy`` as an older output of
     ours) and holding only ``kind``'s entries (anything else is named, never deleted).
-    Returns whether an existing directory will be replaced; the caller replaces it only after
-    its new contents are complete (:func:`publish_dir`)."""
+    Never inside a directory of a known kind but a workflow's that holds other tools'
+    outputs (:func:`refuse_inside_kind`). Returns whether an existing directory will be
+    replaced; the caller replaces it only after its new contents are complete
+    (:func:`publish_dir`)."""
     inputs = list(inputs)
     refuse_overlap(output, inputs, output_flag)
     check_parent_dir(output, output_flag)
+    refuse_inside_kind(output, output_flag, dirs.describe(kind), workflows_too=False)
     out = Path(output)
     if out.exists() and out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(
@@ -131,9 +140,10 @@ def claim_output_dir(
     every run: ``out`` must be new, empty, or written by this tool before: its marker of
     ``kind``, or, for outputs older than markers, an entry of ``legacy`` that only this tool
     writes there (never a generic part such as ``data``: a user's home has one). It is then
-    created and marked. An :class:`OutputError` otherwise: a user's directory is never
-    cleared."""
+    created and marked. An :class:`OutputError` otherwise (and inside a directory of a known
+    kind, :func:`refuse_inside_kind`): a user's directory is never cleared."""
     out = Path(out)
+    refuse_inside_kind(out, flag, dirs.describe(kind), workflows_too=False)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         legacy = (legacy,) if isinstance(legacy, str) else legacy
         found = dirs.recognise(out) if out.is_dir() else None
@@ -281,6 +291,7 @@ def check_output_file(
     inputs: Iterable[tuple[str, str | Path | None]],
     ours: Callable[[Path], bool] | None = None,
     described: str = "a file this tool wrote",
+    overwrite: bool | None = None,
 ) -> None:
     """Refuse, before any work, an output file that would destroy an input (the same path or
     file, inside an input directory, or containing one), is a directory, or lies under a
@@ -290,7 +301,10 @@ def check_output_file(
     is a side output such as ``--stats``, never another tool's, so also refused: a path
     inside a directory of a known kind (a run, a DATA_DIR, an export: formats/dirs.py), an
     existing regular file that ``ours`` does not recognise, and a directory where it cannot
-    be written now. An existing device or FIFO is allowed (written in place)."""
+    be written now. An existing device or FIFO is allowed (written in place). ``overwrite``
+    is the tool's ``--overwrite``: True lets it replace an existing file ``ours`` does not
+    recognise (never one inside a directory of a known kind); False says to pass it; None: the
+    tool has none for this output, such a file is never replaced."""
     inputs = list(inputs)
     refuse_overlap(path, inputs, flag)
     for in_flag, inp in inputs:
@@ -300,28 +314,26 @@ def check_output_file(
         raise OutputError(f"{flag} {path}: is a directory (a file is expected)")
     check_parent_dir(path, flag)
     if ours is not None:
-        _check_side_output(Path(path), flag, ours, described)
+        _check_side_output(Path(path), flag, ours, described, overwrite)
 
 
-def _check_side_output(path: Path, flag: str, ours: Callable[[Path], bool], described: str) -> None:
+def _check_side_output(
+    path: Path, flag: str, ours: Callable[[Path], bool], described: str, overwrite: bool | None
+) -> None:
     """:func:`check_output_file`'s rules for a side output recognised by ``ours``."""
     if path.exists() and not path.is_file():  # a device or FIFO, written in place
         if not os.access(path, os.W_OK):
             raise OutputError(f"{flag} {path}: cannot write (permission denied)")
         return
     real = Path(os.path.realpath(path))
-    found = dirs.enclosing_kind(real)
-    if found is not None:
-        where, kind, evidence = found
-        raise OutputError(
-            f"{flag} {path}: lies inside {where}, which is {dirs.describe(kind)} (by its "
-            f"{evidence}); {described} never goes there: choose another path"
+    refuse_inside_kind(path, flag, described)
+    if real.is_file() and not overwrite and not ours(real):
+        advice = (
+            "it is never replaced: choose a new path or remove it yourself"
+            if overwrite is None
+            else "choose a new path or pass --overwrite to replace it"
         )
-    if real.is_file() and not ours(real):
-        raise OutputError(
-            f"{flag} {path}: exists and is not {described}; it is never replaced: choose a "
-            "new path or remove it yourself"
-        )
+        raise OutputError(f"{flag} {path}: exists and is not {described}; {advice}")
     parent = real.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -331,6 +343,61 @@ def _check_side_output(path: Path, flag: str, ours: Callable[[Path], bool], desc
             f.flush()
     except OSError as exc:
         raise OutputError(f"{flag} {path}: cannot write ({write_failure_reason(exc)})") from None
+
+
+def refuse_inside_kind(
+    path: str | Path, flag: str, described: str, workflows_too: bool = True
+) -> None:
+    """Refuse an output ``path`` (``described`` in the message) that lies inside a directory
+    of a known kind (a run, a checkpoint's tag in it, a DATA_DIR, an export...:
+    :func:`dirs.enclosing_kind`, links followed): that directory's files are its tool's.
+    Without ``workflows_too``, one inside a workflow's directory that holds other tools'
+    outputs (:func:`dirs.holds_outputs`: a demo's ``data``, ``export``...) is allowed."""
+    found = dirs.enclosing_kind(Path(os.path.realpath(path)))
+    if found is not None and (workflows_too or not dirs.holds_outputs(found[1])):
+        where, kind, evidence = found
+        raise OutputError(
+            f"{flag} {path}: lies inside {where}, which is {dirs.describe(kind)} (by its "
+            f"{evidence}); {described} never goes there: choose another path"
+        )
+
+
+def prepare_side_dir(
+    path: str | Path,
+    kind: str,
+    flag: str,
+    inputs: Iterable[tuple[str, str | Path | None]],
+    overwrite: bool,
+    legacy: Callable[[Path], bool] | None = None,
+) -> bool:
+    """Check, before any work, a directory that a tool fills as a side output (evaluate's
+    ``--hyp-dir``) and replaces whole once complete (:func:`publish_dir`): not over, inside
+    or around an input, not under a regular file, not inside a directory of a known kind, and
+    absent, empty, or of ``kind`` by its marker holding only ``kind``'s entries (ours:
+    replaced without ``overwrite``). One that ``legacy`` recognises as ours from before
+    markers is replaced only with ``overwrite``; any other directory is refused, never
+    cleared. Returns whether an existing directory will be replaced."""
+    refuse_overlap(path, inputs, flag)
+    check_parent_dir(path, flag)
+    out = Path(path)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise OutputError(f"{flag} {path}: exists and is not a directory")
+    described = dirs.describe(kind)
+    refuse_inside_kind(path, flag, described)
+    if not out.exists() or not any(out.iterdir()):
+        return out.exists()
+    if dirs.recognise(out) is None:
+        if legacy is None or not legacy(out):
+            raise OutputError(
+                f"{flag} {path}: exists, is not empty and is not {described} (no {MARKER}); "
+                "it is never cleared: choose a new or empty directory"
+            )
+        if not overwrite:
+            raise OutputError(
+                f"{flag} {path}: looks like {described} from before {MARKER}; pass "
+                "--overwrite to replace it, or choose a new or empty directory"
+            )
+    return check_overwritable(out, kind, flag, legacy)
 
 
 def check_parent_dir(path: str | Path, flag: str) -> None:

@@ -24,6 +24,7 @@ two non-pivot languages.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,12 +36,11 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.data_dir import read_data_manifest
-from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.dirs import HYPOTHESES
+from megatron_branchnorm.formats.files import one_line, read_small_file
 from megatron_branchnorm.formats.outputs import (
-    OutputError,
     check_output_file,
-    check_parent_dir,
-    refuse_overlap,
+    prepare_side_dir,
     write_text_output,
 )
 from megatron_branchnorm.inference.translate import SearchOptions, Translator, split_lines
@@ -355,30 +355,72 @@ def hypothesis_path(hyp_dir: str | Path, d: DirectionData) -> Path:
     return Path(hyp_dir) / f"{d.name}.txt"
 
 
+REPORT_KEYS = frozenset({"directions", "averages", "scoring"})
+"""The keys of an evaluate --json report (``scoring`` since the paper's scoring): how one of
+ours is recognised, so that a rerun may replace it and nothing else."""
+MAX_REPORT_BYTES = 16 << 20
+HYP_NAME = re.compile(r"^[^-./]+-[^-./]+\.txt$")
+"""A file name :func:`hypothesis_path` gives (``<src>-<tgt>.txt``)."""
+
+
+def is_evaluation_report(path: str | Path) -> bool:
+    """Whether ``path`` is an evaluate --json report of ours: a JSON object with
+    ``directions`` and ``averages`` (and ``scoring``) and no other key, every direction an
+    object with a ``bleu``."""
+    try:
+        data = json.loads(read_small_file(path, MAX_REPORT_BYTES))
+    except (OSError, ValueError):  # FileShapeError too: a device or FIFO is not ours
+        return False
+    if not isinstance(data, dict) or not {"directions", "averages"} <= set(data) <= REPORT_KEYS:
+        return False
+    found = data["directions"]
+    return isinstance(found, dict) and all(
+        isinstance(r, dict) and "bleu" in r for r in found.values()
+    )
+
+
+def is_older_hyp_dir(path: Path) -> bool:
+    """Whether the directory ``path`` holds only hypothesis files (``<src>-<tgt>.txt``): an
+    --hyp-dir written before it carried a marker (replaced only with --overwrite)."""
+    return all(HYP_NAME.match(p.name) and p.is_file() for p in path.iterdir())
+
+
 def check_outputs(
     json_path: str | Path | None,
     hyp_dir: str | Path | None,
     directions: Sequence[DirectionData],
     data_dir: str | Path,
     model_dir: str | Path,
-) -> None:
+    overwrite: bool = False,
+) -> bool:
     """Refuse, before anything is translated, a --json or --hyp-dir that is, contains or lies
-    inside --data, --model or a reference file, a --json that is a directory or one of the
-    hypothesis files, and a --hyp-dir that is a file or lies under one."""
+    inside --data, --model or a reference file, or lies inside a directory of a known kind (a
+    run, a checkpoint, a DATA_DIR, an export: formats/dirs.py); a --json that is a directory,
+    one of the hypothesis files, or an existing file that is not a report of ours (unless
+    ``overwrite``); a --hyp-dir that is a file, lies under one, or is a non-empty directory
+    not marked as ours (:func:`outputs.prepare_side_dir`). Returns whether an existing
+    --hyp-dir will be replaced."""
     inputs: list[tuple[str, str | Path | None]] = [("--data", data_dir), ("--model", model_dir)]
     for d in directions:
         inputs.append((f"--data ({d.name} source)", d.src_path))
         inputs.append((f"--data ({d.name} reference)", d.ref_path))
     hyp_files: list[tuple[str, str | Path | None]] = []
+    replace = False
     if hyp_dir is not None:
-        hyp = Path(hyp_dir)
-        if hyp.exists() and not hyp.is_dir():
-            raise OutputError(f"--hyp-dir {hyp_dir}: exists and is not a directory")
-        check_parent_dir(hyp_dir, "--hyp-dir")
-        refuse_overlap(hyp_dir, inputs, "--hyp-dir")
-        hyp_files = [(f"--hyp-dir ({d.name})", hypothesis_path(hyp_dir, d)) for d in directions]
+        replace = prepare_side_dir(
+            hyp_dir, HYPOTHESES.name, "--hyp-dir", inputs, overwrite, is_older_hyp_dir
+        )
+        hyp_files = [("--hyp-dir", hyp_dir)]
     if json_path is not None:
-        check_output_file(json_path, "--json", inputs + hyp_files)
+        check_output_file(
+            json_path,
+            "--json",
+            inputs + hyp_files,
+            is_evaluation_report,
+            "a report of evaluate --json",
+            overwrite,
+        )
+    return replace
 
 
 def select_directions(

@@ -405,7 +405,8 @@ def test_evaluate_full_disk(tools, monkeypatch, capsys, export, data, tmp_path):
     assert_one_line(code, err, "/dev/full", "no space left on device")
     assert stat.S_ISCHR(DEV_FULL.stat().st_mode)
     # the hypotheses were complete and are kept; no temporary file is left beside them
-    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["de-en.txt"]
+    found = sorted(p.name for p in (tmp_path / "h").iterdir())
+    assert found == [".megatron_branchnorm-output.json", "de-en.txt"]  # marked as evaluate's
 
 
 def test_evaluate_writes_json_and_hypotheses_whole(tools, monkeypatch, capsys, export, tmp_path):
@@ -420,7 +421,8 @@ def test_evaluate_writes_json_and_hypotheses_whole(tools, monkeypatch, capsys, e
         "scoring",
     }
     assert len((hyp / "de-en.txt").read_text(encoding="utf-8").splitlines()) == 3
-    assert sorted(p.name for p in hyp.iterdir()) == ["de-en.txt"]
+    found = sorted(p.name for p in hyp.iterdir())
+    assert found == [".megatron_branchnorm-output.json", "de-en.txt"]
     assert sorted(p.name for p in out_json.parent.iterdir()) == ["report.json"]
 
 
