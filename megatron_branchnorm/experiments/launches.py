@@ -449,11 +449,10 @@ def run_child(spec: dict) -> dict:
 def _child_env(threads: int | None) -> dict[str, str]:
     """This environment without a launcher's rank variables (the child is a world of one).
 
-    Not :func:`megatron_branchnorm.runner.ranks.start_ranks`: a world of one picks its own
-    rendezvous port (``environment.setup_process_env``) a moment before it binds it, whereas a
-    port picked here would sit unbound for the seconds the child takes to import torch and
-    DeepSpeed, while the children started beside it take ephemeral ports (seen in CI: "MASTER_PORT
-    ... is already in use")."""
+    Not :func:`megatron_branchnorm.runner.ranks.start_ranks`: a world of one without
+    ``MASTER_PORT`` hosts its own rendezvous store on a port the system gives it and holds
+    (``environment.setup_process_env``), so no port sits unbound between being picked and used
+    while the children started beside it take ephemeral ports."""
     env = dict(os.environ)
     for key in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT",
