@@ -327,7 +327,9 @@ class TrainStream:
         return (
             f"config key {self._batch_key}: an update takes {self.per_update:,} micro-batches "
             f"({self.micro_batches:,} on each of {self.dp:,} data-parallel replicas), more than "
-            f"the {batches:,} batches one epoch of the training data holds"
+            f"the {batches:,} batches one epoch of the training data holds; lower "
+            "train.micro_batches or pipeline.data_parallel (which fix the micro-batches per "
+            "update), or train on more data"
         )
 
     def direction_counts(self) -> tuple[list[str], list[int]] | None:

@@ -36,6 +36,7 @@ TINY = [
     "train.eval_interval=2",
     "train.log_interval=1",
     "train.micro_batches=2",
+    "pipeline.data_parallel=1",  # the recipe's 32 would take 64 micro-batches per update
     "train.patience=0",
     "data.max_tokens=512",
     "train.deepspeed_config=ds_configs/cpu_fp32.json",

@@ -66,7 +66,8 @@ def test_an_update_larger_than_the_epoch_is_refused_naming_both_numbers():
     assert line == (
         f"config key pipeline.data_parallel: an update takes {2 * per_replica:,} micro-batches "
         f"({per_replica:,} on each of 2 data-parallel replicas), more than the {batches:,} "
-        "batches one epoch of the training data holds"
+        "batches one epoch of the training data holds; lower train.micro_batches or "
+        "pipeline.data_parallel (which fix the micro-batches per update), or train on more data"
     )
     unset = load_config("tiny_cpu", [f"train.micro_batches={batches + 1}"])
     assert (
