@@ -118,7 +118,7 @@ OUTPUT_OPTIONS: dict[str, dict[str, str]] = {
     "fault_sweep": {"--out": "dir"},
     "gpu_bench": {"--workdir": "dir", "--json": "file"},
     "graph_pool": {},
-    "launches": {"--json": "file", "--out": "file"},
+    "launches": {"--json": "file"},  # --out: with --child only, spawn_child's temporary file
     "probe_learning": {"--output": "file"},
     "source_dependence": {},
     "sweep": {"submit --out": "dir", "table --markdown": "file", "table --json": "file"},

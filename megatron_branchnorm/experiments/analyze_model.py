@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.formats.outputs import check_output_file, read_report, write_text_output
 
 PROG = "analyze_model.py"
 
@@ -41,13 +42,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--labels", default=None, help="comma-separated names, one per export")
     p.add_argument("--output", default="analysis.png", help="PNG to write")
     p.add_argument("--json", default=None, help="also write the numbers as JSON")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output (a figure cannot be told from another PNG), or an "
+        "existing --json that is not a report of ours",
+    )
     p.add_argument("--every", type=int, default=None, help="table row every K layers")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     return p.parse_args(argv)
 
 
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours: an object of one entry per model,
+    each with the ``export`` and ``sentences`` this tool writes."""
+    data = read_report(path)
+    return (
+        isinstance(data, dict)
+        and bool(data)
+        and all(isinstance(r, dict) and {"export", "sentences"} <= set(r) for r in data.values())
+    )
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before any export is loaded: neither output over, inside or around an export or the
+    DATA_DIR, nor inside a directory of a known kind; an existing --output only with
+    --overwrite, an existing --json when it is a report of ours (or with --overwrite)."""
+    inputs = [("--data", args.data), *(("EXPORT_DIR", e) for e in args.exports)]
+    check_output_file(
+        args.output,
+        "--output",
+        inputs,
+        lambda _: False,
+        "a figure of analyze_model",
+        args.overwrite,
+    )
+    if args.json is not None:
+        inputs.append(("--output", args.output))
+        check_output_file(
+            args.json, "--json", inputs, is_our_report, "a report of analyze_model", args.overwrite
+        )
+
+
 def _analyze(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    check_outputs(args)
     import torch
 
     from megatron_branchnorm.experiments.analysis import (
@@ -90,8 +129,8 @@ def _analyze(argv: list[str] | None) -> int:
     print(format_table(results, args.every))
     out = plot_analysis(results, args.output)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({label: r for label, r in results}, indent=1) + "\n", encoding="utf-8"
+        write_text_output(
+            args.json, json.dumps({label: r for label, r in results}, indent=1) + "\n"
         )
     print(f"wrote {out}" + (f" and {args.json}" if args.json else ""))
     return 0

@@ -36,6 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.formats.outputs import (
+    check_output_file,
+    check_scratch_dir,
+    read_report,
+    write_text_output,
+)
 from megatron_branchnorm.runner.hardware import cpu_info
 
 MODES = ("load", "whole", "share")
@@ -162,7 +169,36 @@ def run_one(checkout: Path, data_dir: Path, mode: str, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+REPORT_KEYS = frozenset({"cpu", "rows"})
+"""The keys of a --json report: how one of ours is recognised."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours (exactly :data:`REPORT_KEYS`)."""
+    data = read_report(path)
+    return isinstance(data, dict) and set(data) == REPORT_KEYS
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before any DATA_DIR is written: --work new, empty or an earlier cache of ours (only
+    ``pairs_N`` DATA_DIRs), never inside a directory of a known kind; --json not inside one
+    either, not in --work, and an existing file replaced only when it is a report of ours."""
+    inputs = [("--baseline-checkout", args.baseline_checkout)]
+    check_scratch_dir(args.work, "--work", "bench_plan", ("pairs_*",), inputs)
+    if args.json is not None:
+        inputs.append(("--work", args.work))
+        check_output_file(
+            args.json, "--json", inputs, is_our_report, "a report of bench_plan --json"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Build or reuse the DATA_DIRs, time each mode, print a row each. A refused output is
+    one line ``error: ...`` and exit 2."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="1000000,5000000", help="comma-separated pair counts")
     ap.add_argument("--n-pairs", type=int, default=99)
@@ -173,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-checkout", default=None, help="a checkout of the code before")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    check_outputs(args)
     here = Path(__file__).resolve().parents[2]
     info = cpu_info()
     print(f"# {info.model}; flags: {' '.join(info.flags)}")
@@ -198,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"cpu": [info.model, *info.flags], "rows": rows}, indent=1)
+        write_text_output(
+            args.json, json.dumps({"cpu": [info.model, *info.flags], "rows": rows}, indent=1)
         )
     return 0
 

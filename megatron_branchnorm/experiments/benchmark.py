@@ -58,12 +58,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.experiments import bench_models
 from megatron_branchnorm.experiments.bench_beam import bench_beam
 from megatron_branchnorm.experiments.bench_log import load, log
 from megatron_branchnorm.experiments.bench_preprocess import bench_preprocess
 from megatron_branchnorm.experiments.bench_step import bench_model, matmul_peak
 from megatron_branchnorm.experiments.bench_train import bench_deep, bench_pipeline, bench_trainstep
+from megatron_branchnorm.formats.outputs import (
+    check_output_file,
+    check_scratch_dir,
+    read_report,
+    write_text_output,
+)
 from megatron_branchnorm.runner.hardware import cpu_info, default_dtypes
 from megatron_branchnorm.runner.launch import CHECKOUT
 
@@ -161,7 +168,44 @@ def print_report(res: dict) -> None:
         print(f"\n## data (synthetic OPUS-100-shaped corpora; issue 29)\n{text}")
 
 
-def main() -> int:
+WORK_ENTRIES = (
+    "base", "hf", "corpus", "data", "deep", "zero1_bf16_allow.json", "trainstep_*", "pipe1_*",
+    "pipe2_*", "opus_like_*", "data_*", "preprocess_*.log", "train_*",
+)  # fmt: skip
+"""What the sections write in --workdir (bench_train.py, bench_beam.py, bench_preprocess.py,
+bench_data.py): a directory holding only these is an earlier --workdir of ours, reused (the
+data section's corpora are cached there)."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours: an object whose ``command`` is this
+    tool's."""
+    data = read_report(path)
+    return isinstance(data, dict) and str(data.get("command", "")).startswith(
+        "python tools/benchmark.py"
+    )
+
+
+def check_outputs(workdir: str | None, json_path: str | None) -> None:
+    """Before anything runs: --workdir new, empty or an earlier one of ours
+    (:data:`WORK_ENTRIES`), never inside a directory of a known kind; --json not inside one
+    either, and an existing file replaced only when it is a report of ours."""
+    if workdir is not None:
+        check_scratch_dir(workdir, "--workdir", "benchmark", WORK_ENTRIES)
+    if json_path is not None:
+        inputs = [("--workdir", workdir)]
+        check_output_file(
+            json_path, "--json", inputs, is_our_report, "a report of benchmark --json"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run the sections, print the report. A refused output or another bad input is
+    one line ``error: ...`` and exit 2."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench_models.add_model_args(p)
     p.add_argument("--quick", action="store_true", help="short version (1 round, fewer runs)")
@@ -232,7 +276,8 @@ def main() -> int:
         default=None,
         help="a git revision of this repo: also time our code at that revision ('base')",
     )
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    check_outputs(a.workdir, a.json)
     cpu = cpu_info()
     log(cpu.describe())
     if a.dtypes is None:
@@ -264,7 +309,9 @@ def main() -> int:
             a.impls = f"{a.impls},base"
     res: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python", "tools/benchmark.py", *sys.argv[1:]]),
+        "command": " ".join(
+            ["python", "tools/benchmark.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_start": load(),
         "cpu": cpu.describe(),
@@ -296,7 +343,7 @@ def main() -> int:
                 log(f"{name} failed: {e}")
     res["load_end"] = load()
     if a.json:  # before the report: a report bug must not lose the figures
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        write_text_output(a.json, json.dumps(res, indent=1))
     print_report(res)
     return 0
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.experiments.fault_inject import SAVE_POINTS
 from megatron_branchnorm.experiments.fault_runs import (
     kill_hard_when,
@@ -32,7 +33,7 @@ from megatron_branchnorm.experiments.fault_runs import (
     records,
 )
 from megatron_branchnorm.formats import checkpoint as ckpt
-from megatron_branchnorm.formats.outputs import OutputError, claim_output_dir
+from megatron_branchnorm.formats.outputs import claim_output_dir
 from megatron_branchnorm.runner.ranks import wait_ranks
 
 
@@ -225,7 +226,12 @@ def hang(out: Path, timeout_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, run one mode, write OUT/<mode>.json."""
+    """Parse, run one mode, write OUT/<mode>.json. A refused --out (checked before any run
+    starts) is one line ``error: ...`` and exit 2."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["kill-points", "corruption", "soak", "hang"])
     parser.add_argument("--out", type=Path, default=Path("runs/faults"))
@@ -239,11 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modes = ("kill-points", "corruption", "soak", "hang")
     parts = ("reference", "kill_points", "corruption", "soak", "hang", "MODE.json")
-    try:  # it replaces these on reruns: never a user's directory
-        legacy = tuple(f"{m}{w}.json" for m in modes for w in ("", "_w4"))
-        claim_output_dir(args.out, "fault_sweep", "fault_sweep", parts, legacy)
-    except OutputError as exc:
-        parser.error(str(exc))
+    # it replaces these on reruns: never a user's directory (an OutputError, one line)
+    legacy = tuple(f"{m}{w}.json" for m in modes for w in ("", "_w4"))
+    claim_output_dir(args.out, "fault_sweep", "fault_sweep", parts, legacy)
     if args.mode == "kill-points":
         result = kill_points(args.out, args.steps, args.world)
     elif args.mode == "corruption":

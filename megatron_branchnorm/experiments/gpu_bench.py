@@ -62,6 +62,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.formats.outputs import (
+    check_output_file,
+    check_scratch_dir,
+    read_report,
+    write_text_output,
+)
+
 SYSTEMS = ("train.py", "train.py+graphs", "ours", "torch", "torch-compiled", "torchscale")
 """What the table compares, in its row order (``--systems`` picks some)."""
 
@@ -702,6 +709,29 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(_main, argv)
 
 
+REPORT_KEYS = frozenset({"header", "peak_flops", "rows"})
+"""The keys of a --json report: how one of ours is recognised."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours (exactly :data:`REPORT_KEYS`)."""
+    data = read_report(path)
+    return isinstance(data, dict) and set(data) == REPORT_KEYS
+
+
+def check_outputs(workdir: str | None, json_path: str | None) -> None:
+    """Before anything runs: --workdir new or empty (its runs are created there), never inside
+    a directory of a known kind; --json not inside one either, and an existing file replaced
+    only when it is a report of ours (outputs.check_output_file)."""
+    if workdir is not None:
+        check_scratch_dir(workdir, "--workdir", "gpu_bench", ())
+    if json_path is not None:
+        inputs: list = []  # its own --workdir may hold it
+        check_output_file(
+            json_path, "--json", inputs, is_our_report, "a report of gpu_bench --json"
+        )
+
+
 def _main(argv: list[str] | None) -> int:
     from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag
 
@@ -726,6 +756,7 @@ def _main(argv: list[str] | None) -> int:
                    help="encoder and decoder layers of every system (default: 12 on a GPU, "
                         "1 on the CPU)")  # fmt: skip
     a = p.parse_args(argv)
+    check_outputs(a.workdir, a.json)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
@@ -780,10 +811,11 @@ def _main(argv: list[str] | None) -> int:
     print(f"\nlogs: {log_path}")
     if a.json:
         rows = [dataclasses.asdict(r) for r in bench.rows]
-        Path(a.json).write_text(
+        write_text_output(
+            a.json,
             json.dumps(
                 {"header": bench.header, "peak_flops": bench.peak_flops, "rows": rows}, indent=1
-            )
+            ),
         )
     return 1 if any(r.note.startswith("failed:") for r in bench.rows) else 0
 

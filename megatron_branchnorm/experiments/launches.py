@@ -62,6 +62,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_branchnorm.cli import run_main
+from megatron_branchnorm.formats.outputs import check_output_file, read_report, write_text_output
+
 DEFAULT_CONFIGS = ("opus100_12L", "opus100_200L", "opus100_1000L")
 """The configs the command measures by default."""
 
@@ -695,7 +698,23 @@ def format_table(res: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+COMMAND = "python -m megatron_branchnorm.experiments.launches"
+"""The ``command`` of every --json report: how one of ours is recognised."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours (its ``command`` is :data:`COMMAND`...)."""
+    data = read_report(path)
+    return isinstance(data, dict) and str(data.get("command", "")).startswith(COMMAND)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Count the ops of each config and print the table. A refused --json is one line
+    ``error: ...`` and exit 2."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     """The command line (module docstring); ``--child`` is one measured run, for
     :func:`spawn_child`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -723,9 +742,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12, help="ops shown in the per-layer breakdown")
     p.add_argument("--timeout", type=float, default=1800.0, help="per run (s)")
     p.add_argument("--json", default=None, help="also write the results here")
+    # a child's spec and where it leaves its result: spawn_child's own temporary directory
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if (a.child is None) != (a.out is None):
+        p.error("--child and --out go together (spawn_child's, not a user's options)")
+    if a.json is not None:
+        check_output_file(a.json, "--json", [], is_our_report, "a report of launches --json")
     if a.child is not None:
         res = run_child(json.loads(a.child))
         Path(a.out).write_text(json.dumps(res))
@@ -744,9 +768,9 @@ def main(argv: list[str] | None = None) -> int:
         timeout=a.timeout,
         dropout_as_cuda=a.dropout_as_cuda,
     )
-    res["command"] = " ".join(["python -m megatron_branchnorm.experiments.launches", *sys.argv[1:]])
+    res["command"] = " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)])
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        write_text_output(a.json, json.dumps(res, indent=1))
     print(format_table(res, a.top))
     return 0
 

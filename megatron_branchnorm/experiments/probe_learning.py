@@ -33,6 +33,8 @@ from megatron_branchnorm.config import load_config
 from megatron_branchnorm.data import BatchSampler, TranslationData
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.experiments.analysis import source_dependence
+from megatron_branchnorm.formats.files import read_small_file
+from megatron_branchnorm.formats.outputs import check_output_file, write_text_output
 from megatron_branchnorm.model import build_model
 from megatron_branchnorm.model.loss import label_smoothed_nll_loss
 from megatron_branchnorm.training.lr_schedule import inverse_sqrt_factor
@@ -144,6 +146,21 @@ def run_variant(job: dict) -> list[dict]:
     return records
 
 
+MAX_RECORDS_BYTES = 64 << 20
+"""Largest --output :func:`is_our_records` reads (one line an evaluation)."""
+
+
+def is_our_records(path: Path) -> bool:
+    """Whether ``path`` holds an --output of ours: JSON lines, each an object with the
+    ``variant`` and ``step`` of a record."""
+    try:
+        lines = read_small_file(path, MAX_RECORDS_BYTES).decode("utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError):  # FileShapeError, UnicodeDecodeError too
+        return False
+    return bool(rows) and all(isinstance(r, dict) and {"variant", "step"} <= set(r) for r in rows)
+
+
 def _probe(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="demo_cpu", help="config name or YAML path")
@@ -160,6 +177,9 @@ def _probe(argv: list[str] | None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: cores/jobs)")
     p.add_argument("--output", help="JSON lines of every record")
     a = p.parse_args(argv)
+    if a.output is not None:  # before any training: never over an input or another's file
+        inputs = [("--data", a.data), ("--config", a.config)]
+        check_output_file(a.output, "--output", inputs, is_our_records, "records of probe_learning")
     variants = [parse_variant(v) for v in a.variant] or [("base", [])]
     for _, overrides in variants:  # fail before any training starts
         load_config(a.config, [f"data.dataset={a.data}", *overrides])
@@ -188,7 +208,7 @@ def _probe(argv: list[str] | None) -> int:
         results = [run_variant(j) for j in jobs]
     records = [r for rs in results for r in rs]
     if a.output:
-        Path(a.output).write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_text_output(a.output, "".join(json.dumps(r) + "\n" for r in records))
     print("\nvariant              step  valid_nll  source_gain  bleu   chrf   seconds")
     for r in records:
         if "bleu" in r or r["step"] == max(

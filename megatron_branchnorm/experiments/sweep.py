@@ -39,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,10 +50,13 @@ from megatron_branchnorm.config import CONFIG_DIR
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.experiments.depth_study import SCHEMES, known_schemes
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.files import FileShapeError, quote, read_small_file
 from megatron_branchnorm.formats.outputs import (
     check_output_file,
     check_parent_dir,
+    read_report,
+    refuse_inside_kind,
     write_text_output,
 )
 from megatron_branchnorm.formats.records import read_metrics
@@ -109,13 +113,11 @@ def submit(
     """Submit every cell not in sweep.json yet, and the cells named in ``resubmit``; returns
     sweep.json's data (written after each submission, so an interrupted submit loses none).
     With ``task`` each cell's job runs the recipe config ``<task>_<depth>L``."""
+    check_sweep_out(out)
     if not launcher.is_file():
         raise SweepError(f"--launcher {launcher}: no such file")
     if task is not None:
         recipe_configs(task, depths)
-    if out.exists() and not out.is_dir():
-        raise SweepError(f"--out {out}: is not a directory (the sweep's directory is expected)")
-    check_parent_dir(out, "--out")
     job_path = (os.environ if env is None else env).get("PATH", os.defpath)
     if shutil.which("sbatch", path=job_path) is None:
         raise SweepError(
@@ -168,6 +170,46 @@ def submit(
             print(f"{name}: job {job}", flush=True)
     path.write_text(json.dumps(sweep, indent=1) + "\n")
     return sweep
+
+
+def check_sweep_out(out: Path) -> None:
+    """Refuse, before anything is submitted, an --out that is a file or lies under one, lies
+    inside a directory of a known kind (a run, a DATA_DIR...), or is a non-empty directory
+    that is not a sweep's (no sweep.json): the cells' runs are created inside it."""
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--out {out}: is not a directory (the sweep's directory is expected)")
+    check_parent_dir(out, "--out")
+    refuse_inside_kind(out, "--out", "a sweep's directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / SWEEP_FILE).is_file():
+        found = dirs.recognise(out)
+        what = f"it is {dirs.describe(found[0])} ({found[1]})" if found else f"no {SWEEP_FILE}"
+        raise SweepError(
+            f"--out {out}: exists, is not empty and is not a sweep's directory ({what}); "
+            "choose a new or empty --out"
+        )
+
+
+TABLE_HEAD = re.compile(r"^\| valid_(bleu|loss) \|( \d+L-\d+L \|( paper \|)?)* *$")
+"""The first line of a table of ours (:func:`format_table`)."""
+
+
+def is_our_table(path: Path) -> bool:
+    """Whether ``path`` holds a --markdown table of ours (its first line)."""
+    try:
+        head = read_small_file(path, 1 << 20).decode("utf-8").split("\n", 1)[0]
+    except (OSError, ValueError):  # FileShapeError, UnicodeDecodeError too
+        return False
+    return TABLE_HEAD.match(head) is not None
+
+
+RESULT_KEYS = frozenset({"metric", "task", "schemes", "depths", "cells"})
+"""The keys of a --json result of ours (:func:`collect`)."""
+
+
+def is_our_result(path: Path) -> bool:
+    """Whether ``path`` holds a --json result of ours (exactly :data:`RESULT_KEYS`)."""
+    data = read_report(path)
+    return isinstance(data, dict) and set(data) == RESULT_KEYS
 
 
 def read_sweep(path: Path) -> dict[str, Any]:
@@ -430,9 +472,10 @@ def _main(argv: list[str] | None = None) -> int:
     inputs = [("the registry", Path(args.out) / SWEEP_FILE)]
     inputs += [(f"cell {n}", c["save_dir"]) for n, c in result["cells"].items()]
     if args.markdown:
-        check_output_file(args.markdown, "--markdown", inputs)
+        check_output_file(args.markdown, "--markdown", inputs, is_our_table, "a table of sweep")
     if args.json:
-        check_output_file(args.json, "--json", [*inputs, ("--markdown", args.markdown)])
+        inputs.append(("--markdown", args.markdown))
+        check_output_file(args.json, "--json", inputs, is_our_result, "a result of sweep table")
     table = format_table(result, paper, source)
     print(table)
     if args.markdown:

@@ -13,6 +13,9 @@ half-written looks complete.
   (:func:`check_output_file` with a recogniser, :func:`prepare_side_dir`); every front door
   declares such options in ``commands.OUTPUT_OPTIONS``, and
   tests/faults/test_output_placement.py runs each against a run's files and a user's file.
+- A scratch directory a tool fills and reuses (a workdir of runs and logs, a cache) is new,
+  empty, or holds only that tool's own entries (:func:`check_scratch_dir`); a tool's own
+  earlier JSON report is recognised by its shape (:func:`read_report`).
 - Writers publish by renaming a finished temporary file or directory
   (:func:`temp_dir_beside`, :func:`publish_dir`, :func:`write_text_output`); a temporary
   directory is marked with its owner (formats/owners.py), so a rerun removes only the dead
@@ -24,6 +27,7 @@ The entry points (cli.py) turn the errors raised here into one line and exit 2.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import shutil
@@ -31,12 +35,13 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import BinaryIO
 
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs, owners
-from megatron_branchnorm.formats.files import one_line
+from megatron_branchnorm.formats.files import one_line, read_small_file
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -466,3 +471,54 @@ def stdin_is(path: str | Path) -> bool:
         return stat.S_ISREG(st.st_mode) and os.path.samestat(st, os.stat(path))
     except (OSError, ValueError, AttributeError):
         return False
+
+
+MAX_REPORT_BYTES = 64 << 20
+"""Largest file :func:`read_report` reads (a tool's JSON report is far smaller)."""
+
+
+def read_report(path: str | Path) -> object | None:
+    """The JSON value in the regular file ``path``, or None when it holds none (unreadable,
+    not JSON, larger than :data:`MAX_REPORT_BYTES`, a device or FIFO): what a tool's
+    recogniser of its own earlier report looks at."""
+    try:
+        return json.loads(read_small_file(path, MAX_REPORT_BYTES))
+    except (OSError, ValueError):  # FileShapeError too
+        return None
+
+
+def check_scratch_dir(
+    path: str | Path,
+    flag: str,
+    tool: str,
+    owned: Iterable[str],
+    inputs: Iterable[tuple[str, str | Path | None]] = (),
+) -> None:
+    """Check, before any work, a directory that ``tool`` fills and reuses from run to run (a
+    workdir of logs and runs, a cache): not over, inside or around an input, not a file nor
+    under one, not inside a directory of a known kind, and absent, empty, or holding only the
+    entries ``tool`` writes there (``owned``: glob patterns of top-level names), that is an
+    earlier one of its own (no ``owned``: absent or empty only). Anything else (a user's folder, a run, a DATA_DIR) is an
+    :class:`OutputError` naming what is not the tool's: it is never written into."""
+    refuse_overlap(path, inputs, flag)
+    check_parent_dir(path, flag)
+    out = Path(path)
+    if (out.is_symlink() and not out.exists()) or (out.exists() and not out.is_dir()):
+        raise OutputError(f"{flag} {path}: exists and is not a directory")
+    refuse_inside_kind(path, flag, f"{tool}'s {flag}")
+    if not out.exists():
+        return
+    patterns = tuple(owned)
+    found = dirs.recognise(out)
+    foreign = [p.name for p in out.iterdir() if not any(fnmatchcase(p.name, g) for g in patterns)]
+    if found is not None or foreign:
+        if found is not None:
+            what = f"it is {dirs.describe(found[0])} ({found[1]})"
+        elif patterns:
+            what = f"it holds {dirs.name_entries(sorted(foreign))}, which {tool} does not write"
+        else:
+            what = f"it is not empty ({dirs.name_entries(sorted(foreign))})"
+        raise OutputError(
+            f"{flag} {path}: {what}; {tool} creates its files there and never writes into "
+            f"another's directory: choose a new or empty {flag}"
+        )

@@ -61,6 +61,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.formats.outputs import (
+    check_output_file,
+    check_scratch_dir,
+    read_report,
+    write_text_output,
+)
 from megatron_branchnorm.formats.records import read_metrics
 from megatron_branchnorm.resources import DS_CONFIG_DIR
 from megatron_branchnorm.workflows.rehearse_checks import rel_diff
@@ -582,6 +588,29 @@ def run_checks(
 TABLE_HEADER = "| check | value | limit | verdict |\n| --- | --- | --- | --- |"
 
 
+ROW_KEYS = frozenset(Row.__dataclass_fields__)
+"""The keys of each row of a --json report: how one of ours is recognised."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours: a JSON list of rows (:data:`ROW_KEYS`)."""
+    data = read_report(path)
+    return isinstance(data, list) and all(isinstance(r, dict) and set(r) == ROW_KEYS for r in data)
+
+
+def check_outputs(workdir: str | None, json_path: str | None) -> None:
+    """Before any check runs: --workdir new or empty (its runs are created there, never over
+    anything), never inside a directory of a known kind; --json not inside one either, and an
+    existing file replaced only when it is a report of ours (outputs.check_output_file)."""
+    if workdir is not None:
+        check_scratch_dir(workdir, "--workdir", "gpu_check", ())
+    if json_path is not None:
+        inputs: list = []  # its own --workdir may hold it
+        check_output_file(
+            json_path, "--json", inputs, is_our_report, "a report of gpu_check --json"
+        )
+
+
 def format_rows(rows: list[Row]) -> str:
     return "\n".join(f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows)
 
@@ -603,9 +632,12 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--steps", type=int_flag(2), default=40,
                         help="updates of the throughput run (its figure: the median of the "
                         "last half)")  # fmt: skip
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--workdir", default=None, help="runs and logs, new or empty (default: a temp dir)"
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    check_outputs(args.workdir, args.json)
     import torch
 
     device = args.device
@@ -625,7 +657,7 @@ def _main(argv: list[str] | None) -> int:
         if section:
             print(format_rows(section), file=out, flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps([r.__dict__ for r in shown], indent=1))
+            write_text_output(args.json, json.dumps([r.__dict__ for r in shown], indent=1))
 
     with open(work / "checks.log", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
         rows = run_checks(device, ranks, args.steps, work, emit)  # DeepSpeed's prints: the log

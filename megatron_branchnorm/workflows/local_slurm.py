@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.formats.outputs import check_scratch_dir
 from megatron_branchnorm.runner.launch import quiet_ports
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "munge")
@@ -439,9 +440,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+CLUSTER_ENTRIES = ("munge", "state", "spool", "log", "run", "slurm.conf")
+"""What :func:`write_config` and the daemons put in a cluster's directory: one holding only
+these is an earlier cluster of ours, started again in place."""
+
+
 def _act(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    if args.action == "start":
+    if args.action == "start":  # before anything is installed or started
+        check_scratch_dir(args.dir, "--dir", "local_slurm", CLUSTER_ENTRIES)
         reason = ensure_installed()
         if reason is not None:
             raise ClusterError(f"SLURM cannot be installed: {reason}")

@@ -59,7 +59,12 @@ from megatron_branchnorm.workflows.rehearse_plan import (
     make_plan,
     run_world,
 )
-from megatron_branchnorm.workflows.rehearse_report import evaluate, format_table, write_outputs
+from megatron_branchnorm.workflows.rehearse_report import (
+    check_outputs,
+    evaluate,
+    format_table,
+    write_outputs,
+)
 from megatron_branchnorm.workflows.rehearse_runs import (
     RUNS_FILE,
     cpu_description,
@@ -73,11 +78,13 @@ REHEARSAL_KIND = "rehearsal"
 """The marker kind of a rehearsal's --workdir (outputs.MARKER)."""
 
 
-def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> dict[str, Any]:
-    """Run the five runs into ``workdir`` (stopping at the first that fails); writes and
-    returns the runs record (``runs.json``)."""
+def check_workdir(workdir: Path, overwrite: bool) -> bool:
+    """Whether ``workdir`` is to be replaced: new or empty, or (with ``overwrite``) a
+    rehearsal's workdir holding only its own entries (its marker, or runs.json from before
+    markers); never inside a directory of a known kind (outputs.prepare_output). A
+    RehearsalError, one line, otherwise."""
     try:  # --overwrite removes only a workdir a rehearsal wrote (its marker, or runs.json)
-        replace = prepare_output(
+        return prepare_output(
             workdir,
             REHEARSAL_KIND,
             overwrite,
@@ -86,6 +93,12 @@ def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> 
         )
     except OutputError as exc:
         raise RehearsalError(str(exc)) from None
+
+
+def rehearse(plan: Plan, workdir: Path, overwrite: bool = False, echo=print) -> dict[str, Any]:
+    """Run the five runs into ``workdir`` (stopping at the first that fails); writes and
+    returns the runs record (``runs.json``)."""
+    replace = check_workdir(workdir, overwrite)
     if replace:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -193,6 +206,9 @@ def _rehearse(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     workdir = Path(args.workdir or Path("runs") / "rehearse" / Path(args.config).stem)
+    if not args.evaluate_only:  # before any work; rehearse() replaces it only once planned
+        check_workdir(workdir, args.overwrite)
+    check_outputs(workdir, args.json, args.markdown)
     if not args.evaluate_only:
         plan = make_plan(
             args.config,

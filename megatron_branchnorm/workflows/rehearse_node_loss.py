@@ -32,6 +32,7 @@ from pathlib import Path
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import check_scratch_dir
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 from megatron_branchnorm.workflows.local_slurm import (
     FINAL_STATES,
@@ -463,6 +464,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _rehearse(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    if args.work is not None:  # before a cluster starts: its job's files are created there
+        check_scratch_dir(args.work, "--work", "rehearse_node_loss", ())
     spec = node_loss_spec(
         args.launcher,
         args.nodes,

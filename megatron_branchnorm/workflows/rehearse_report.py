@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.formats.files import read_small_file
+from megatron_branchnorm.formats.outputs import check_output_file, read_report, write_text_output
 from megatron_branchnorm.workflows.rehearse_checks import (
     check_export,
     check_other_topology,
@@ -197,9 +199,41 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(head + rows) + "\n"
 
 
-def write_outputs(report: dict[str, Any], json_path: str | None, md_path: str | None) -> None:
-    """Write the report as JSON and/or markdown."""
+REPORT_KEYS = frozenset({"config", "command", "cpu", "plan", "checks", "ok", "figures"})
+"""The keys of a --json report (:func:`evaluate`): how one of ours is recognised."""
+
+
+def is_our_report(path: Path) -> bool:
+    """Whether ``path`` holds a --json report of ours (exactly :data:`REPORT_KEYS`)."""
+    data = read_report(path)
+    return isinstance(data, dict) and set(data) == REPORT_KEYS
+
+
+def is_our_table(path: Path) -> bool:
+    """Whether ``path`` holds a --markdown table of ours (:func:`format_table`'s head)."""
+    try:
+        lines = read_small_file(path, 1 << 20).decode("utf-8").splitlines()
+    except (OSError, ValueError):  # FileShapeError, UnicodeDecodeError too
+        return False
+    return len(lines) >= 6 and lines[2].startswith("CPU: ") and lines[4] == "| figure | value |"
+
+
+def check_outputs(workdir: Path, json_path: str | None, md_path: str | None) -> None:
+    """Refuse, before anything runs, a --json or --markdown over, inside or around --workdir
+    or each other, inside a directory of a known kind, or over an existing file that is not a
+    report of ours (outputs.check_output_file: such a file is never replaced)."""
+    inputs: list[tuple[str, str | Path | None]] = [("--workdir", workdir)]
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        check_output_file(json_path, "--json", inputs, is_our_report, "a report of rehearse")
+        inputs.append(("--json", json_path))
     if md_path:
-        Path(md_path).write_text(format_table(report), encoding="utf-8")
+        check_output_file(md_path, "--markdown", inputs, is_our_table, "a table of rehearse")
+
+
+def write_outputs(report: dict[str, Any], json_path: str | None, md_path: str | None) -> None:
+    """Write the report as JSON and/or markdown, each through a temporary file renamed when
+    complete."""
+    if json_path:
+        write_text_output(json_path, json.dumps(report, indent=1) + "\n")
+    if md_path:
+        write_text_output(md_path, format_table(report))

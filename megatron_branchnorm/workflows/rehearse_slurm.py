@@ -29,6 +29,7 @@ from pathlib import Path
 from megatron_branchnorm.cli import run_main
 from megatron_branchnorm.config import load_config
 from megatron_branchnorm.formats import checkpoint as ckpt
+from megatron_branchnorm.formats.outputs import check_scratch_dir
 from megatron_branchnorm.formats.records import read_rows
 from megatron_branchnorm.runner.launch import CHECKOUT
 from megatron_branchnorm.training.exit_codes import REQUEUE_EXIT_CODE
@@ -435,6 +436,8 @@ def local_cluster(existing: Path | None, root: Path, nodes: int, cpus: int) -> I
 def _rehearse(argv: list[str] | None) -> int:
     """Parse, start a cluster (unless given one), rehearse, print the tables."""
     args = parse_args(argv)
+    if args.work is not None:  # before a cluster starts: its job's files are created there
+        check_scratch_dir(args.work, "--work", "rehearse_slurm", ())
     spec = default_spec(
         args.launcher,
         args.nodes,

@@ -43,6 +43,8 @@ OUTPUT_HELP = re.compile(r"\b(write|writes|written|to create)\b", re.IGNORECASE)
 """Help text that says an output."""
 NOT_OUTPUTS = {
     ("convert", "--repartition"): "a mode taking a stage count; its output is --output",
+    ("launches", "--out"): "with --child only: where a child it spawned leaves its result, in "
+    "the parent's own temporary directory (hidden from --help, refused without --child)",
 }
 """Options that look like an output and are not one."""
 
@@ -172,6 +174,21 @@ def preprocess_argv(t: dict[str, Path], out: Path) -> list:
     ]  # fmt: skip
 
 
+def rehearse_argv(t: dict[str, Path]) -> list:
+    return ["--config", "tiny_cpu", "--workdir", t["new"] / "rehearsal"]
+
+
+def analyze_argv(t: dict[str, Path]) -> list:
+    return [t["export"], "--data", t["data"]]
+
+
+def sweep_dir(t: dict[str, Path]) -> Path:
+    """A sweep's directory with an empty registry (under ``new``: its own, not compared)."""
+    (t["new"] / "sweep").mkdir(parents=True, exist_ok=True)
+    (t["new"] / "sweep" / "sweep.json").write_text('{"cells": {}}\n')
+    return t["new"] / "sweep"
+
+
 def translate_argv(t: dict[str, Path]) -> list:
     return ["--model", t["export"], "--src-lang", "de", "--tgt-lang", "en", "--input", t["src"]]
 
@@ -214,36 +231,60 @@ RUNS: dict[tuple[str, str], Argv] = {
         "--test-size",
         "2",
     ],  # fmt: skip
+    ("rehearse", "--workdir"): lambda t, out: ["--config", "tiny_cpu", "--workdir", out],
+    ("rehearse", "--json"): lambda t, out: [*rehearse_argv(t), "--json", out],
+    ("rehearse", "--markdown"): lambda t, out: [*rehearse_argv(t), "--markdown", out],
+    ("gpu_check", "--workdir"): lambda t, out: ["--device", "cpu", "--workdir", out],
+    ("gpu_check", "--json"): lambda t, out: ["--device", "cpu", "--json", out],
+    ("local_slurm", "--dir"): lambda t, out: ["start", "--dir", out],
+    ("rehearse_slurm", "--work"): lambda t, out: ["--work", out],
+    ("rehearse_node_loss", "--work"): lambda t, out: ["--work", out],
+    ("analyze_model", "--output"): lambda t, out: [*analyze_argv(t), "--output", out],
+    ("analyze_model", "--json"): lambda t, out: [
+        *analyze_argv(t),
+        "--output",
+        t["new"] / "a.png",
+        "--json",
+        out,
+    ],  # fmt: skip
+    ("bench_plan", "--work"): lambda t, out: ["--work", out],
+    ("bench_plan", "--json"): lambda t, out: ["--work", t["new"], "--json", out],
+    ("benchmark", "--workdir"): lambda t, out: ["--workdir", out],
+    ("benchmark", "--json"): lambda t, out: ["--json", out],
+    ("fault_sweep", "--out"): lambda t, out: ["hang", "--out", out],
+    ("gpu_bench", "--workdir"): lambda t, out: ["--device", "cpu", "--workdir", out],
+    ("gpu_bench", "--json"): lambda t, out: ["--device", "cpu", "--json", out],
+    ("launches", "--json"): lambda t, out: ["--json", out],
+    ("probe_learning", "--output"): lambda t, out: ["--data", t["data"], "--output", out],
+    ("sweep", "submit --out"): lambda t, out: [
+        "--depths",
+        "2",
+        "--launcher",
+        t["src"],
+        "--out",
+        out,
+    ],
+    ("sweep", "table --markdown"): lambda t, out: [sweep_dir(t), "--markdown", out],
+    ("sweep", "table --json"): lambda t, out: [sweep_dir(t), "--json", out],
 }
 """A command line for each declared output option that works but for the output it names."""
-GAPS = {
-    ("rehearse", "--json"): "written after the rehearsal with no check",
-    ("rehearse", "--markdown"): "written after the rehearsal with no check",
-    ("gpu_check", "--json"): "written after the checks with no check",
-    ("analyze_model", "--output"): "written with no check",
-    ("analyze_model", "--json"): "written with no check",
-    ("bench_plan", "--json"): "written with no check",
-    ("benchmark", "--json"): "written with no check",
-    ("gpu_bench", "--json"): "written with no check",
-    ("launches", "--json"): "written with no check",
-    ("launches", "--out"): "an internal file of its own child processes",
-    ("probe_learning", "--output"): "written with no check",
-    ("sweep", "table --markdown"): "checked against its inputs only",
-    ("sweep", "table --json"): "checked against its inputs only",
-    ("gpu_check", "--workdir"): "writes into a user's non-empty folder",
-    ("benchmark", "--workdir"): "writes into a user's non-empty folder",
-    ("gpu_bench", "--workdir"): "writes into a user's non-empty folder",
-    ("bench_plan", "--work"): "a cache of DATA_DIRs, written with no check",
-    ("rehearse", "--workdir"): "not run here: needs a config and runs training",
-    ("local_slurm", "--dir"): "not run here: starts a local cluster",
-    ("rehearse_slurm", "--work"): "not run here: needs a cluster",
-    ("rehearse_node_loss", "--work"): "not run here: needs a cluster",
-    ("fault_sweep", "--out"): "not run here: kills training runs",
-    ("sweep", "submit --out"): "not run here: submits jobs",
+EXPENSIVE = {
+    "rehearse": [("workflows.rehearse", "rehearse"), ("workflows.rehearse", "evaluate")],
+    "gpu_check": [("workflows.gpu_check", "run_checks")],
+    "local_slurm": [("workflows.local_slurm", "start_cluster")],
+    "rehearse_slurm": [("workflows.rehearse_slurm", "local_cluster")],
+    "rehearse_node_loss": [("workflows.rehearse_node_loss", "local_cluster")],
+    "analyze_model": [("inference.export", "load_export")],
+    "bench_plan": [("experiments.bench_plan", "write_data_dir")],
+    "benchmark": [("experiments.benchmark", "cpu_info")],
+    "fault_sweep": [("experiments.fault_sweep", "hang")],
+    "gpu_bench": [("experiments.gpu_bench", "run_bench")],
+    "launches": [("experiments.launches", "measure")],
+    "probe_learning": [("experiments.probe_learning", "run_variant")],
+    "sweep": [("experiments.sweep", "subprocess")],  # sbatch
 }
-"""Declared file options of workflows and experiments not yet routed through the rule (their
-modules are outside commands/): each still fails the test below once it has a command line in
-:data:`RUNS`."""
+"""What each door starts once its outputs are checked (training, a cluster, a benchmark): made
+to fail the test if reached, so that a refusal is seen to come first."""
 OWN_KIND = {("preprocess", "--output"): "data2", ("convert", "--output"): "export2"}
 """The folder of :func:`tree` that is of an option's own kind: ``--overwrite`` replaces it,
 which tests/faults/test_misuse_outputs.py tests."""
@@ -272,19 +313,22 @@ DIR_CASES = {
 """Where a directory output is pointed."""
 
 
+def has_overwrite(name: str) -> bool:
+    """Whether the door ``name`` has an ``--overwrite`` flag (its parser's)."""
+    with pytest.MonkeyPatch.context() as m:
+        return "--overwrite" in door_parser(name, m)._option_string_actions
+
+
 def cases():
-    """Each declared output option against each place it must not land, without and with
-    ``--overwrite`` (a user's file only without: replacing it is what the flag is for); one
-    expected failure for each option in :data:`GAPS`."""
+    """Each declared output option against each place it must not land, without and, for a
+    door that has ``--overwrite``, with it (a user's file only without: replacing it is what
+    the flag is for)."""
     for name, declared in sorted(OUTPUT_OPTIONS.items()):
+        overwrites = (False, True) if declared and has_overwrite(name) else (False,)
         for flag, what in declared.items():
             option = f"{name}-{flag.replace(' ', '_')}"
-            if (name, flag) in GAPS:
-                mark = pytest.mark.xfail(run=False, reason=GAPS[(name, flag)])
-                yield pytest.param(name, flag, "user", None, False, marks=mark, id=option)
-                continue
             for case, (folder, entry) in (FILE_CASES if what == "file" else DIR_CASES).items():
-                for overwrite in (False, True):
+                for overwrite in overwrites:
                     if overwrite and folder == "user" and what == "file":
                         continue
                     if overwrite and entry is None and OWN_KIND.get((name, flag)) == folder:
@@ -308,6 +352,20 @@ def never_load(*args, **kwargs):
     raise AssertionError("the model was loaded before the output was checked")
 
 
+class Never:
+    """Stands for what a door starts once its outputs are checked (:data:`EXPENSIVE`): any
+    call, or any call of one of its attributes, fails the test."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"{self.what} was reached before the output was refused")
+
+    def __getattr__(self, name: str):
+        return self
+
+
 @pytest.mark.parametrize(("name", "flag", "folder", "entry", "overwrite"), list(cases()))
 def test_an_output_never_lands_on_another_tools_file(
     name, flag, folder, entry, overwrite, tree, tmp_path, capsys, monkeypatch
@@ -317,15 +375,16 @@ def test_an_output_never_lands_on_another_tools_file(
     a user's file, exit 0. Now each is refused before any work: exit 2, one line naming the
     option and the path, nothing changed (with --overwrite too, but for a user's file)."""
     build = RUNS.get((name, flag))
-    assert build is not None, f"{name} {flag}: add a command line to RUNS (or a GAPS entry)"
+    assert build is not None, f"{name} {flag}: add a command line to RUNS"
     target = tree[folder] if entry is None else tree[folder] / entry
     if (name, flag) in SUFFIX and entry is not None:
         target = target.with_suffix(SUFFIX[(name, flag)])
         if not target.exists():
             target.write_bytes(b"precious\n")
-    if overwrite and "--overwrite" not in door_parser(name, monkeypatch)._option_string_actions:
-        pytest.skip(f"{name} has no --overwrite")
     monkeypatch.setattr(translate_lib.Translator, "from_export", classmethod(never_load))
+    for module, attr in EXPENSIVE.get(name, ()):
+        found = importlib.import_module(f"megatron_branchnorm.{module}")
+        monkeypatch.setattr(found, attr, Never(f"{module}.{attr}"))
     before = snapshot(tmp_path)
     sub = flag.split(" ")[:-1]
     argv = [*sub, *build(tree, target), *(["--overwrite"] if overwrite else [])]
@@ -444,3 +503,147 @@ def test_evaluate_replaces_its_own_report_and_hypotheses_and_nothing_else(export
     assert code == 2 and "never cleared" in err and len(err.strip().splitlines()) == 1, err
     assert [p.name for p in mine.iterdir()] == ["notes.md"]
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def _recognisers() -> dict[str, tuple[Callable[[Path], bool], str]]:
+    """Each tool's recogniser of its own earlier report, with a report of that shape."""
+    from megatron_branchnorm.experiments import (
+        analyze_model,
+        bench_plan,
+        benchmark,
+        gpu_bench,
+        launches,
+        probe_learning,
+        sweep,
+    )
+    from megatron_branchnorm.workflows import gpu_check, rehearse_report
+
+    rehearse = dict.fromkeys(rehearse_report.REPORT_KEYS, None)
+    table = "`python tools/rehearse.py`\n\nCPU: x; all checks passed.\n\n| figure | value |\n"
+    return {
+        "rehearse --json": (rehearse_report.is_our_report, json.dumps(rehearse)),
+        "rehearse --markdown": (rehearse_report.is_our_table, table + "| --- | --- |\n"),
+        "gpu_check --json": (
+            gpu_check.is_our_report,
+            '[{"check": "torch", "value": "2.4", "limit": "", "ok": null}]',
+        ),
+        "analyze_model --json": (
+            analyze_model.is_our_report,
+            '{"postln:e": {"export": "e", "sentences": {"de-en": 2}, "encoder": {}}}',
+        ),
+        "bench_plan --json": (bench_plan.is_our_report, '{"cpu": ["x"], "rows": []}'),
+        "benchmark --json": (
+            benchmark.is_our_report,
+            '{"date": "d", "command": "python tools/benchmark.py --quick"}',
+        ),
+        "gpu_bench --json": (
+            gpu_bench.is_our_report,
+            '{"header": "h", "peak_flops": 1.0, "rows": []}',
+        ),
+        "launches --json": (
+            launches.is_our_report,
+            json.dumps({"command": launches.COMMAND + " --configs x", "configs": {}}),
+        ),
+        "probe_learning --output": (
+            probe_learning.is_our_records,
+            '{"variant": "base", "step": 100, "valid_nll": 5.0}\n{"variant": "base", "step": 200}\n',
+        ),
+        "sweep table --markdown": (
+            sweep.is_our_table,
+            "| valid_bleu | 6L-6L | paper |\n| --- | ---: | ---: |\n| postln | 30.10 | 30.2 |\n",
+        ),
+        "sweep table --json": (
+            sweep.is_our_result,
+            json.dumps(dict.fromkeys(sweep.RESULT_KEYS, None)),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "rehearse --json",
+        "rehearse --markdown",
+        "gpu_check --json",
+        "analyze_model --json",
+        "bench_plan --json",
+        "benchmark --json",
+        "gpu_bench --json",
+        "launches --json",
+        "probe_learning --output",
+        "sweep table --markdown",
+        "sweep table --json",
+    ],
+)
+def test_a_tool_recognises_its_own_report_and_no_other_file(option, tmp_path):
+    """A rerun replaces the tool's own earlier report without --overwrite; another tool's
+    report, a user's JSON or notes are not taken for one (so they are refused above)."""
+    ours, own = _recognisers()[option]
+    (tmp_path / "own").write_text(own)
+    assert ours(tmp_path / "own")
+    others = {
+        "user.json": '{"mine": true}\n',
+        "notes.md": "| a | b |\n| --- | --- |\n",
+        "list.json": "[1, 2]\n",
+        "empty": "",
+        "evaluate.json": '{"directions": {"de-en": {"bleu": 1.0}}, "averages": {}}\n',
+    }
+    for name, text in others.items():
+        (tmp_path / name).write_text(text)
+        assert not ours(tmp_path / name), name
+    for option2, (_, text) in _recognisers().items():
+        if option2 != option:
+            (tmp_path / "other").write_text(text)
+            assert not ours(tmp_path / "other"), option2
+    assert not ours(tmp_path)  # a directory
+    assert not ours(Path("/dev/null"))
+
+
+def test_sweep_table_replaces_its_own_outputs_and_refuses_a_users_file(tmp_path, capsys):
+    """sweep table --markdown/--json: written, replaced on a rerun without any flag, and a
+    user's file at either path is refused before anything is written (exit 2, one line)."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text('{"cells": {}}\n')
+    md, js = tmp_path / "table.md", tmp_path / "table.json"
+    sweep = "megatron_branchnorm.experiments.sweep"
+    argv = ["table", out, "--markdown", md, "--json", js]
+    for _ in range(2):
+        code, _, err = run(sweep, argv, capsys)
+        assert code == 0, err
+        assert md.read_text().startswith("| valid_bleu |") and "cells" in json.loads(js.read_text())
+    for path in (md, js):
+        path.write_text("mine\n")
+        code, _, err = run(sweep, argv, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and str(path) in err, err
+        assert path.read_text() == "mine\n"
+        path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("tool", "owned", "entries"),
+    [
+        ("bench_plan", ("pairs_*",), ["pairs_1000/manifest.json"]),
+        ("benchmark", None, ["data_20000/manifest.json", "preprocess_20000.log"]),
+        ("local_slurm", None, ["slurm.conf", "munge/munge.key", "spool/mbn1/x"]),
+    ],
+)
+def test_a_scratch_dir_of_the_tools_own_is_reused_and_a_users_never(tool, owned, entries, tmp_path):
+    """A cache or workdir the tool wrote before is reused; the same with one file of a user's
+    added is refused, naming that file, and nothing in it is touched."""
+    from megatron_branchnorm.experiments.benchmark import WORK_ENTRIES
+    from megatron_branchnorm.formats.outputs import OutputError, check_scratch_dir
+    from megatron_branchnorm.workflows.local_slurm import CLUSTER_ENTRIES
+
+    owned = owned or {"benchmark": WORK_ENTRIES, "local_slurm": CLUSTER_ENTRIES}[tool]
+    work = tmp_path / "work"
+    for entry in entries:
+        (work / entry).parent.mkdir(parents=True, exist_ok=True)
+        (work / entry).write_text("x")
+    check_scratch_dir(work, "--work", tool, owned)
+    check_scratch_dir(tmp_path / "absent", "--work", tool, owned)
+    (work / "thesis.tex").write_text("years of work")
+    before = snapshot(work)
+    with pytest.raises(OutputError, match=r"--work .*work: it holds thesis\.tex, which"):
+        check_scratch_dir(work, "--work", tool, owned)
+    assert snapshot(work) == before
