@@ -522,3 +522,16 @@ def check_scratch_dir(
             f"{flag} {path}: {what}; {tool} creates its files there and never writes into "
             f"another's directory: choose a new or empty {flag}"
         )
+
+
+def check_workdir_and_report(
+    tool: str, workdir: str | None, report: str | None, is_ours: Callable[[Path], bool]
+) -> None:
+    """Before a check tool runs: its ``--workdir`` new or empty (its runs are created there,
+    never over anything; :func:`check_scratch_dir`), its ``--json`` report never inside a
+    directory of a known kind, and an existing file replaced only when ``is_ours`` recognises
+    it as a report of ``tool`` (:func:`check_output_file`; its own workdir may hold it)."""
+    if workdir is not None:
+        check_scratch_dir(workdir, "--workdir", tool, ())
+    if report is not None:
+        check_output_file(report, "--json", [], is_ours, f"a report of {tool} --json")

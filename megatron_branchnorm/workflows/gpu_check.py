@@ -62,8 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.formats.outputs import (
-    check_output_file,
-    check_scratch_dir,
+    check_workdir_and_report,
     read_report,
     write_text_output,
 )
@@ -602,13 +601,7 @@ def check_outputs(workdir: str | None, json_path: str | None) -> None:
     """Before any check runs: --workdir new or empty (its runs are created there, never over
     anything), never inside a directory of a known kind; --json not inside one either, and an
     existing file replaced only when it is a report of ours (outputs.check_output_file)."""
-    if workdir is not None:
-        check_scratch_dir(workdir, "--workdir", "gpu_check", ())
-    if json_path is not None:
-        inputs: list = []  # its own --workdir may hold it
-        check_output_file(
-            json_path, "--json", inputs, is_our_report, "a report of gpu_check --json"
-        )
+    check_workdir_and_report("gpu_check", workdir, json_path, is_our_report)
 
 
 def format_rows(rows: list[Row]) -> str:
