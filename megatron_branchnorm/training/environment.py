@@ -234,7 +234,9 @@ def check_master_addr() -> None:
     ``train.collective_timeout_s``, though a name the resolver does not know never comes to
     resolve. A temporary failure of the resolver (EAI_AGAIN) is left to the rendezvous."""
     env = os.environ
-    addr = env.get("MASTER_ADDR", "")
+    addr = env.get("MASTER_ADDR")
+    if addr is None:  # no rendezvous address at all: the launcher environment's check says so
+        return
     try:
         socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
