@@ -87,7 +87,8 @@ def en_de_data(root: Path) -> Path:
 # The task's recipe configs (wmt17_en_de_6L, _18L) at their real depths, narrowed for 2 CPU ranks.
 RECIPE_TINY = (
     "model.hidden_size=16 model.ffn_hidden_size=32 model.num_attention_heads=2 "
-    "data.max_tokens=256 data.max_length=48 train.micro_batches=2 train.max_steps=2 "
+    "data.max_tokens=256 data.max_length=48 train.micro_batches=2 pipeline.data_parallel=1 "
+    "train.max_steps=2 "
     "train.eval_interval=2 train.save_interval=2 train.log_interval=1 train.patience=0 "
     "pipeline.activation_checkpoint_interval=0 train.deepspeed_config=ds_configs/cpu_fp32.json"
 )
