@@ -95,7 +95,9 @@ def copy_run(runs, kind: str, tmp_path: Path) -> Path:
 def plant_payload(path: Path, marker: Path) -> None:
     """``path`` saved again with a payload beside its state, and its tag's checksums rewritten
     (an attacker rewrites them too)."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    from megatron_branchnorm.training.checkpoint_engine import allowed_globals
+
+    state = ckpt.load_torch_file(path, map_location="cpu", safe_globals=allowed_globals())
     state["payload"] = Payload(marker)
     torch.save(state, path)
     ckpt.write_manifest(path.parent, ckpt.tag_step(path.parent.name))
