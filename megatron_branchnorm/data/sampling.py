@@ -31,7 +31,7 @@ def temperature_probs(counts: list[int] | np.ndarray, temperature: float) -> np.
             # The direct formula, bit for bit as before, wherever it is finite: fixed-seed
             # runs at the usual temperatures keep their exact sample streams.
             return w / total
-        # A small T overflows n^(1/T) (0.01: 3000^100 = inf, and inf/inf = NaN, issue 31):
+        # A small T overflows n^(1/T) (0.01: 3000^100 = inf, and inf/inf = NaN):
         # the same ratio in log space, shifted by the largest exponent, stays finite.
         logw = np.where(n > 0, np.log(np.where(n > 0, n, 1.0)) / temperature, -np.inf)
         top = logw.max()

@@ -1,4 +1,4 @@
-"""The ``data`` section of tools/benchmark.py (issue 29): the data path at real size.
+"""The ``data`` section of tools/benchmark.py: the data path at real size.
 
 For each N of ``--data-pairs`` it writes (once, cached in the work directory) a synthetic
 corpus of OPUS-100's shape with N training pairs (data/synthetic_corpus.py), runs

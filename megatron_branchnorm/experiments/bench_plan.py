@@ -1,4 +1,4 @@
-"""Training data at OPUS-100's size (issue 29): what a data-reading rank holds and how long an
+"""Training data at OPUS-100's size: what a data-reading rank holds and how long an
 epoch's plan takes, for a DATA_DIR of N sentence pairs, today's code against another
 checkout's.
 
@@ -15,8 +15,8 @@ tokens, at most ``--max-len``, the two sides correlated.
 Each measurement runs in a fresh process (peak RSS is the process's ``ru_maxrss``):
 
 - ``load``: TranslationData and BatchSampler of the train split (what every data rank holds);
-- ``whole``: and one whole epoch's plan, ``BatchSampler._plan`` (what every rank built before
-  issue 29, on every stage);
+- ``whole``: and one whole epoch's plan, ``BatchSampler._plan`` (what every rank built before the
+  stream was split by rank, on every stage);
 - ``share``: and the plan of data-parallel rank 0 of ``--dp`` (``BatchSampler.epoch_plan``,
   what a first- or last-stage rank builds now); its build runs on a thread while the previous
   epoch trains, so the step waits only when an epoch trains faster than this.

@@ -25,9 +25,9 @@ Sections (``--sections``, comma-separated; default all but ``data``, which takes
 - ``preprocess``: tools/preprocess_data.py sentence pairs/s on a locale corpus.
 - ``launches``: kernel-launching aten ops per encoder and decoder layer per micro-batch inside
   DeepSpeed's ``train_batch``, host syncs per micro-batch and the last stage's peak memory,
-  for the shipped configs in ``--launch-configs`` (launches.py; issue 28). Counts, not
+  for the shipped configs in ``--launch-configs`` (launches.py). Counts, not
   timings: the load does not move them.
-- ``data``: the data path at real size (bench_data.py; issue 29): for each N of
+- ``data``: the data path at real size (bench_data.py): for each N of
   ``--data-pairs`` a synthetic OPUS-100-shaped corpus of N pairs (cached in ``--workdir``),
   tools/preprocess_data.py's wall time and peak memory (per phase with its ``--stats``; the
   process tree's sampled RSS always), then for ``--data-train-pairs`` the training start-up
@@ -165,7 +165,7 @@ def print_report(res: dict) -> None:
 
         r = res["data"]
         text = json.dumps(r) if "error" in r else format_table(r)
-        print(f"\n## data (synthetic OPUS-100-shaped corpora; issue 29)\n{text}")
+        print(f"\n## data (synthetic OPUS-100-shaped corpora)\n{text}")
 
 
 WORK_ENTRIES = (

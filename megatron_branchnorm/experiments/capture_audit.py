@@ -1,4 +1,4 @@
-"""Host syncs and CUDA-graph capture safety, seen from the dispatcher on a CPU (issue 41).
+"""Host syncs and CUDA-graph capture safety, seen from the dispatcher on a CPU.
 
 A CUDA graph replays the kernels it captured: inside the captured region nothing may wait for
 the GPU (a host sync is illegal while capturing), copy between the host and the device (a

@@ -1,5 +1,5 @@
 """``make gpu-bench``: train.py's steady state beside torch.nn.Transformer (eager and compiled)
-and torchscale, in one process on the device it finds (issue 41; docs/performance.md, "make
+and torchscale, in one process on the device it finds (docs/performance.md, "make
 gpu-bench").
 
     python tools/gpu_bench.py                    # CUDA: 12L-12L d=512, 4,096 and 16,384 tokens

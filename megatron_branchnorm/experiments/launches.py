@@ -1,4 +1,4 @@
-"""Kernel-launching ops per layer per micro-batch inside DeepSpeed's ``train_batch`` (issue 28).
+"""Kernel-launching ops per layer per micro-batch inside DeepSpeed's ``train_batch``.
 
     python -m megatron_branchnorm.experiments.launches                    # 12L, 200L, 1000L
     python -m megatron_branchnorm.experiments.launches --configs opus100_200L --json out.json
@@ -7,7 +7,7 @@
 On a GPU every aten op that launches a kernel costs 5-10 us of launch overhead; at d=512 and
 4,096 tokens per micro-batch a layer's kernels do only a few us of work each, so the number of
 kernel-launching ops per layer per micro-batch is the proxy for speed (docs/performance.md,
-"Kernel launches per layer (issue 28)"; ../shared/DESIGN.md §11).
+"Kernel launches per layer"; ../shared/DESIGN.md §11).
 
 How the count is made:
 

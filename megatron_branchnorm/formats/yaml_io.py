@@ -10,7 +10,7 @@ expanded size is counted with memoisation, and only a document within the bounds
 
 A mapping that repeats a key is refused too, naming both lines: PyYAML keeps the last value
 silently, so a second ``model:`` section replaced the first and a 1-layer, d=32 config trained
-6 layers at d=512 (issue 31).
+6 layers at d=512.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``model.compile``: each encoder and decoder layer's forward body through ``torch.compile``
-(issue 28; off by default).
+(off by default).
 
 What is compiled is the body of :meth:`EncoderLayer.forward` / :meth:`DecoderLayer.forward`
 (its residual blocks, attention, FFN and dropouts), not the pipeline wrappers around it: those

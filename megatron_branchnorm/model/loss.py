@@ -9,7 +9,7 @@ V * lse - sum_v z_v, so the loss needs only per-row scalars, never the (N, V) lo
 its gradient is softmax(z) - (1 - eps - eps_i) onehot(y) - eps_i, written into one (N, V)
 buffer in the backward.
 
-Both passes run over row chunks (issue 28): the forward upcasts one chunk of logits to fp32 at
+Both passes run over row chunks: the forward upcasts one chunk of logits to fp32 at
 a time for lse, z_y and sum_v z; the backward computes a chunk's fp32 softmax, scales it and
 writes it into its rows of the gradient, in the logits' dtype (fp32 logits: straight into
 the gradient). So no (N, V) fp32 buffer exists (bf16 training keeps bf16 logits): the fp32

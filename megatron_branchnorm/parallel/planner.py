@@ -37,7 +37,7 @@ bubble is ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches per update.
 
 And in seconds (:meth:`RunPlan.stage_time`, :attr:`RunPlan.seconds_per_update`): a stage's
 micro-batch takes the slower of its GPU's matmuls at ``--tflops`` and its host's launches, per
-eager layer as the H100 of issue 41 ran them (:data:`EAGER_HOST_S`) or, for a layer replayed
+eager layer as the H100  ran them (:data:`EAGER_HOST_S`) or, for a layer replayed
 from a CUDA graph, its gradients' hand-over; an update of the 1F1B pipeline is each stage's
 micro-batch once plus m - 1 more of the slowest stage's. ``tools/plan_memory.py`` prints it
 eagerly and with graphs, and what ``train.max_steps`` updates take.
@@ -88,7 +88,7 @@ GRAPHED_KINDS = ("enc", "enc_final", "dec", "dec_final")
 # on the model's own layers (tests/slurm/test_planner.py measures it again): (values of the
 # activation dtype x d, the same x ffn, one-byte dropout masks x d, fp32 log-sum-exps x heads).
 # Before, the planner took Korthikanti et al. 2022's 34 d and 47 d bytes at 16-bit and an
-# fp32 log-softmax and gradient for the loss: it planned the H100 run of issue 41 at 17.2 GiB,
+# fp32 log-softmax and gradient for the loss: it planned the H100 run  at 17.2 GiB,
 # whose allocator peaked at 9.85 GiB (docs/performance.md, "The planner against the H100").
 ENC_ACT_BYTES = (8.125, 1.0, 2.0, 1.0)
 DEC_ACT_BYTES = (14.125, 1.0, 3.0, 2.0)
@@ -114,17 +114,17 @@ LOSS_CHUNK_ELEMENTS = 1 << 24
 # sustained rate ``--tflops``, and the host's work, which paces a layer run eagerly at d=512.
 DEFAULT_TFLOPS = 100.0
 """The GPU's sustained matmul rate the planner assumes (``--tflops``): an assumption until a GPU
-run of the graphed path measures it (issue 41)."""
+run of the graphed path measures it."""
 H100_EAGER_UPDATE_S = 108.4e-3
 """One eager update of 12L-12L (d=512, 4,096 tokens per side, one micro-batch, the 1-stage
-DeepSpeed engine, bf16 + ZeRO-1) on the H100 of issue 41 (../shared/DESIGN.md §12): its
+DeepSpeed engine, bf16 + ZeRO-1) on the H100  (../shared/DESIGN.md §12): its
 2.6 TFLOP of matmuls take 3.4 ms at the measured peak and 16,384 tokens took 125.9 ms, so the
 host set this pace. The planner charges all of it to the 24 layers: the update's other host
 work (data, embedding, loss, DeepSpeed's schedule, the step; about 2 of 32.5 ms on the
 development CPU, docs/performance.md) is counted into them, an upper bound."""
 LAYER_LAUNCHES = {"enc": 61, "dec": 101}
 """Kernel-launching ops per layer per micro-batch of opus100_12L with the GPU's dropout
-(docs/performance.md, "Kernel launches per layer", issue 28): how the host time of a layer
+(docs/performance.md, "Kernel launches per layer"): how the host time of a layer
 pair splits between its encoder and its decoder layer."""
 EAGER_HOST_S = {
     kind: H100_EAGER_UPDATE_S / 12 * n / sum(LAYER_LAUNCHES.values())

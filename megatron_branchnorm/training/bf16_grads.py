@@ -1,4 +1,4 @@
-"""One kernel per parameter tensor per micro-batch for the bf16 gradient accumulation (issue 28).
+"""One kernel per parameter tensor per micro-batch for the bf16 gradient accumulation.
 
 DeepSpeed's bf16 optimizer (``deepspeed/runtime/bf16_optimizer.py``, ``BF16_Optimizer``; the
 shipped ``ds_configs/zero1_bf16.json``: bf16 + ZeRO-1 + ``grad_accum_dtype`` fp32) keeps each

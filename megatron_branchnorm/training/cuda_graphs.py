@@ -1,5 +1,5 @@
 """``model.cuda_graphs``: each stage's encoder and decoder layer stack captured as CUDA graphs,
-forward and backward, once per bucket shape, and replayed (issue 41; docs/design.md §19).
+forward and backward, once per bucket shape, and replayed (docs/design.md §19).
 
 The model does not know (../shared/STYLE.md rule 16): :func:`install` gives a built stage a
 second list of entries, its ``forward_funcs`` (the list DeepSpeed's ``PipelineModule.forward``

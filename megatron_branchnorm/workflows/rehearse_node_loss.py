@@ -1,4 +1,4 @@
-"""Rehearse the loss of a node on a local SLURM cluster (workflows/local_slurm.py; issue 32,
+"""Rehearse the loss of a node on a local SLURM cluster (workflows/local_slurm.py,
 docs/reliability.md): submit a shipped launcher unchanged at its node x rank topology with a
 save interval, SIGKILL every trainer rank on its last node once a checkpoint is complete and
 another update is logged (no signal the trainer could act on), drain that node as an

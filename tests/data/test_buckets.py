@@ -1,4 +1,4 @@
-"""Static shapes (issue 41, docs/design.md §18): micro-batches cut into a few bucket shapes
+"""Static shapes (docs/design.md §18): micro-batches cut into a few bucket shapes
 chosen from the lengths, the padding bound, every sentence once per epoch, the stages that
 read no data following the shapes, exact resume, and padding rows that carry nothing."""
 

@@ -178,7 +178,7 @@ def test_output_not_empty_and_overwrite(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "keep").read_text() == "x"
     (tmp_path / "out" / "keep").unlink()
     run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"])
-    # ... and only when it holds nothing but a DATA_DIR's entries (formats/dirs.py, issue 31)
+    # ... and only when it holds nothing but a DATA_DIR's entries (formats/dirs.py)
     (tmp_path / "out" / "stale").write_text("x")
     with pytest.raises(DataError, match=r"also holds what data never writes \(stale\)"):
         run_preprocess(tmp_path / "raw", tmp_path / "out", ["de"], overwrite=True)

@@ -1,4 +1,4 @@
-"""Preprocessing in bounded memory (issue 29): peak memory flat in the corpus size, --stats,
+"""Preprocessing in bounded memory: peak memory flat in the corpus size, --stats,
 the streamed pieces equal to their in-memory definitions, and no spill files left behind."""
 
 from __future__ import annotations

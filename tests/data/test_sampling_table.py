@@ -1,4 +1,4 @@
-"""The start-up sampling table (megatron_branchnorm/data/sampling.py, issue 29): usable pairs,
+"""The start-up sampling table (megatron_branchnorm/data/sampling.py): usable pairs,
 natural share and share at temperature T of every direction, printed and written as
 SAVE_DIR/sampling.tsv. The trainer's own file is checked in tests/pipeline/test_validation.py."""
 

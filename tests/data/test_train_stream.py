@@ -1,4 +1,4 @@
-"""Each rank builds only the batches it reads (issue 29): the training stream's plans against
+"""Each rank builds only the batches it reads: the training stream's plans against
 the whole-epoch plan that every rank built before, at several data-parallel sizes, through
 epoch boundaries and a resume on another data-parallel size (docs/design.md §15)."""
 

@@ -1,4 +1,4 @@
-"""The capture-safety audit (issue 41; megatron_branchnorm/experiments/capture_audit.py).
+"""The capture-safety audit (megatron_branchnorm/experiments/capture_audit.py).
 
 (a) The audit sees what a CUDA graph cannot capture, on a CPU: host syncs (an aten op and the
 Tensor methods that dispatch none), tensors made from host data, ops whose output size depends

@@ -1,4 +1,4 @@
-"""``make gpu-bench`` in its CPU small mode (issue 41, item 4; experiments/gpu_bench.py).
+"""``make gpu-bench`` in its CPU small mode (experiments/gpu_bench.py).
 
 The run is train.py's real Trainer (one stage, bf16 + ZeRO-1, in this process) beside the plain
 loops at one tiny size: every system has its row, what ran has positive, finite figures, and

@@ -1,4 +1,4 @@
-"""Kernel-launching ops per layer per micro-batch inside ``train_batch`` (issue 28).
+"""Kernel-launching ops per layer per micro-batch inside ``train_batch``.
 
 (a) the counter (megatron_branchnorm/experiments/launches.py) classifies a known sequence of
 ops right: kernels, views, allocations, host syncs, live and peak bytes; (b) the real trainer
@@ -6,7 +6,7 @@ with opus100_200L's settings (bf16 + ZeRO-1, recompute "auto", 16 micro-batches)
 1 measured update after a warm-up, CUDA's dropout op, stays within the budgets below. The budgets
 are what the launch-bound GPU step needs (../shared/DESIGN.md §11: a minimal post-LN SDPA
 layer needs ~41 encoder / ~67 decoder ops forward + backward); the numbers measured are in
-docs/performance.md, "Kernel launches per layer (issue 28)". No timing is asserted.
+docs/performance.md, "Kernel launches per layer". No timing is asserted.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron_branchnorm.experiments.launches import LaunchCounter, measure_conf
 LAYER_OPS_BUDGET = 66
 """Kernel-launching aten ops per layer (average of an encoder and a decoder layer) per
 micro-batch, forward + backward + recompute + the layer's amortised optimizer work. It was 145
-before issue 28 and is 66.0 now (49.75 encoder, 82.25 decoder): the issue's goal of 60 is not
+before the change and is 66.0 now (49.75 encoder, 82.25 decoder): the issue's goal of 60 is not
 reached. What is left above a minimal layer is one fp32 gradient add per parameter tensor per
 micro-batch (12 encoder, 20 decoder), which only a weight-gradient GEMM accumulating into fp32
 would remove (CUDA-only in torch: docs/performance.md)."""

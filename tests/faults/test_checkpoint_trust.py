@@ -1,4 +1,4 @@
-"""A checkpoint is not trusted code (issue 40, items 1, 2, 12a).
+"""A checkpoint is not trusted code (items 1, 2, 12a).
 
 ``latest`` and every tag name a ``global_stepN`` directory of the save_dir, never a path or a
 link out of it; ``checksums.json`` lists plain file names of its tag and has the shape the

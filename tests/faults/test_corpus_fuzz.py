@@ -1,4 +1,4 @@
-"""Corpora fuzzing (issue 10, fault 7): random mixes of bad input at 4000 lines per pair.
+"""Corpora fuzzing (fault 7): random mixes of bad input at 4000 lines per pair.
 
 Each pair gets at most one fault, drawn at random: invalid UTF-8 on one side, an empty or
 whitespace-only side, an over-long side, or harmless control characters (\\r, U+2028, NUL,

@@ -1,5 +1,5 @@
 """Corruption matrix: every damaged checkpoint file gives a loud error naming it, on the path the
-trainer resumes through and on the converter's; never a silent fallback (issue 10, fault 4)."""
+trainer resumes through and on the converter's; never a silent fallback (fault 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pp2 x dp2 on 4 gloo ranks (issue 10): a preemption signal reaching one data-parallel replica
+"""pp2 x dp2 on 4 gloo ranks: a preemption signal reaching one data-parallel replica
 stops every rank with the requeue code and loses no step, the restarted run equals the
 uninterrupted 4-rank run, and the data-parallel split (each replica's share of micro-batches,
 the loss normalised over the whole update, ``ids_hash`` over all replicas) computes what one

@@ -1,4 +1,4 @@
-"""Untrusted files and the invalid-config table (issue 10, faults 8, 9).
+"""Untrusted files and the invalid-config table (faults 8, 9).
 
 Untrusted: a pickle payload as a checkpoint layer file or as an export's weights is refused and
 never executed; a ``!!python`` YAML tag is refused; an export missing a tensor is refused.

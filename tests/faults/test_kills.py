@@ -1,4 +1,4 @@
-"""Kills inside a checkpoint save and kill -9 of one rank mid-run (issue 10, faults 2, 3)."""
+"""Kills inside a checkpoint save and kill -9 of one rank mid-run (faults 2, 3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The launcher's death stops its ranks (issue 31, item 2; stop_signals.watch_launcher).
+"""The launcher's death stops its ranks (stop_signals.watch_launcher).
 
 ``timeout``, ``kill``, a container stop or a non-SLURM scheduler end a job by signalling the
 ``deepspeed`` command alone: it exits 143 without passing the signal on. Its

@@ -194,7 +194,7 @@ def test_convert_overwrite_replaces_our_exports_only(tools, capsys, run, tmp_pat
     code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
     assert code == 0, err
     # An export written before markers existed (export.json says what it is) is ours too, but
-    # a file an export never holds is refused by name, not deleted (issue 31).
+    # a file an export never holds is refused by name, not deleted.
     (out / MARKER).unlink()
     (out / "stale.txt").write_text("x")
     code, _, err = call(tools, capsys, "convert_checkpoint", [*argv, "--overwrite"])
@@ -243,7 +243,7 @@ def test_preprocess_overwrite_replaces_a_data_dir_only(tools, capsys, tmp_path):
     code, _, err = call(tools, capsys, "preprocess_data", argv)
     error_line(code, err, "exists and is not empty", "--overwrite")
     # An older DATA_DIR (our manifest, no marker) may be replaced; so may a marked one; but
-    # a file a DATA_DIR never holds is refused by name, not deleted (issue 31).
+    # a file a DATA_DIR never holds is refused by name, not deleted.
     (out / MARKER).unlink()
     (out / "stale").write_text("x")
     code, _, err = call(tools, capsys, "preprocess_data", [*argv, "--overwrite"])

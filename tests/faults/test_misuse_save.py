@@ -1,4 +1,4 @@
-"""Ctrl-C during a save, and a resume with nothing left to train (issue 31, item 4)."""
+"""Ctrl-C during a save, and a resume with nothing left to train."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Golden resume and non-finite updates, from the shared fault harness (issue 10, faults 1, 6)."""
+"""Golden resume and non-finite updates, from the shared fault harness (faults 1, 6)."""
 
 from __future__ import annotations
 

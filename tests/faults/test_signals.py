@@ -1,4 +1,4 @@
-"""A preemption signal reaching one rank only (issue 10, fault 5): every rank stops together,
+"""A preemption signal reaching one rank only (fault 5): every rank stops together,
 checkpoints the step it reached, exits with the requeue code, and the restarted run equals the
 uninterrupted reference (zero steps lost). The soak in tools/fault_sweep.py repeats this."""
 

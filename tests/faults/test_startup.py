@@ -1,4 +1,4 @@
-"""A rank while it starts (issue 40, items 6, 7 and 12b; stop_signals, training/environment).
+"""A rank while it starts (items 6, 7 and 12b; stop_signals, training/environment).
 
 - A rendezvous that cannot complete (rank 1 with no rank 0 at MASTER_ADDR:MASTER_PORT, rank 0
   with no rank 1) ends within ``train.collective_timeout_s`` with one line naming the address,

@@ -1,6 +1,6 @@
 """Exports handed over by someone else: a config.yaml that disagrees with its weights is refused
 before anything is built, directions the model never trained are refused, and the Hugging Face
-export says a full disk in one line (issue 40, items 5, 11, 12c)."""
+export says a full disk in one line (items 5, 11, 12c)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``model.compile``: each encoder/decoder layer's forward body through torch.compile (issue 28;
-megatron_branchnorm/model/compile.py).
+"""``model.compile``: each encoder/decoder layer's forward body through torch.compile
+(megatron_branchnorm/model/compile.py).
 
 Backend: inductor where a C++ compiler is found, else aot_eager (compile.default_backend, with
 a warning): a machine without g++ runs every test here on aot_eager (the same graphs, run by

@@ -1,5 +1,5 @@
 """Label-smoothed cross entropy: a hand computation, padding ignored, eps=0 is plain CE; the
-loss chunked over rows (issue 28) against the reference and the unchunked loss, its op count
+loss chunked over rows against the reference and the unchunked loss, its op count
 and its peak memory."""
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def test_zero_epsilon_is_cross_entropy_sum() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunked over rows (issue 28): parity, the chunking rule, op count and peak memory
+# Chunked over rows: parity, the chunking rule, op count and peak memory
 # ---------------------------------------------------------------------------------------------
 
 
 class _Unchunked(torch.autograd.Function):
-    """The loss before issue 28 (one fp32 copy of the (N, V) logits in the forward, two fp32
+    """The loss before the change (one fp32 copy of the (N, V) logits in the forward, two fp32
     (N, V) buffers in the backward), kept to compare bits, op counts and peak memory with."""
 
     @staticmethod
@@ -117,7 +117,7 @@ class _Unchunked(torch.autograd.Function):
 def _unchunked_loss(
     logits: torch.Tensor, target: torch.Tensor, epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """label_smoothed_nll_loss as it was before issue 28."""
+    """label_smoothed_nll_loss as it was before the change."""
     v = logits.shape[-1]
     target = target.reshape(-1)
     keep = target != PAD_ID

@@ -1,4 +1,4 @@
-"""3 or 4 gloo ranks, started once: every check of pipelines with middle stages (issue 20).
+"""3 or 4 gloo ranks, started once: every check of pipelines with middle stages.
 
     RANK=r WORLD_SIZE=3|4 ... python tests/pipeline/multistage_harness.py OUT_DIR
 

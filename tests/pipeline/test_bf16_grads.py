@@ -1,5 +1,5 @@
-"""bf16 gradient accumulation in one kernel per parameter tensor per micro-batch (issue 28;
-megatron_branchnorm/training/bf16_grads.py).
+"""bf16 gradient accumulation in one kernel per parameter tensor per micro-batch
+(megatron_branchnorm/training/bf16_grads.py).
 
 Two runs of the same training, 3 updates of 2 micro-batches each (tiny model, synthetic data,
 dropout 0, activation checkpointing on every layer, clipping that clips): DeepSpeed's default

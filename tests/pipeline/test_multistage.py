@@ -1,4 +1,4 @@
-"""Pipelines of 3 and 4 stages (issue 20): middle stages, the layouts a user can write, the
+"""Pipelines of 3 and 4 stages: middle stages, the layouts a user can write, the
 flat-model parity and the 1-stage loss curve (docs/design.md §5 tolerances), activation
 checkpointing on, and a 4-stage save + SIGUSR1 + exact resume.
 

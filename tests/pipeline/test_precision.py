@@ -1,4 +1,4 @@
-"""The GPU configs' precisions through the real engine on CPU ranks (issue 21).
+"""The GPU configs' precisions through the real engine on CPU ranks.
 
 bf16 + ZeRO-1 (``ds_configs/zero1_bf16.json``: DeepSpeed's BF16 optimizer, fp32 master
 weights and moments, fp32 gradient accumulation) runs natively on DeepSpeed's CPU

@@ -1,4 +1,4 @@
-"""Resume in another layout with the whole training state (issue 32, docs/design.md §17).
+"""Resume in another layout with the whole training state (docs/design.md §17).
 
 Each case trains an uninterrupted reference to STEPS updates, saving at CUT; a copy of its save
 directory holding only that checkpoint is resumed in another layout (stage count, data-parallel

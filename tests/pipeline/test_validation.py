@@ -1,10 +1,10 @@
-"""Validation covers every translation direction (issue 29): a fixed sample of each
+"""Validation covers every translation direction: a fixed sample of each
 direction's dev split, the loss per direction and the X->en / en->X / all averages in
 metrics.jsonl, the same figures at 1 rank, 2 data-parallel ranks and 2 stages (with a number of
 micro-batches that is not a multiple of the data-parallel size), and equal to the flat model's
 loss on each direction alone (docs/design.md §5: 1e-5 relative).
 
-Before issue 29 the validator kept the first 64 batches of a pass that goes one direction at a
+Before the change the validator kept the first 64 batches of a pass that goes one direction at a
 time: only the first directions were validated, and the row had ``valid_loss`` alone."""
 
 from __future__ import annotations

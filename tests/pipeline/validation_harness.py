@@ -1,4 +1,4 @@
-"""Validation over every direction (issue 29) on 1 and 2 gloo ranks.
+"""Validation over every direction on 1 and 2 gloo ranks.
 
     RANK=r WORLD_SIZE=1|2 ... python tests/pipeline/validation_harness.py DATA_DIR OUT_DIR
 

@@ -1,4 +1,4 @@
-"""A node lost mid-run (issue 32, docs/reliability.md): the shipped opus100_1000L launcher,
+"""A node lost mid-run (docs/reliability.md): the shipped opus100_1000L launcher,
 unchanged, on a real 2-node SLURM at 8 stages x 1 (2 nodes x 4 CPU ranks, 4L-4L); SIGKILL to
 every rank on the second node once a checkpoint is complete and update 3 is logged; the
 surviving ranks exit 4 with one line each; the node drained;

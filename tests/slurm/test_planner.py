@@ -90,7 +90,7 @@ def test_activation_estimate_is_what_the_layers_save(dtype, d, f, heads, rows, l
     (decoder) layer's training forward saves for the backward, per token, measured by
     difference of two models, in bf16 and fp32, with model.dropout / activation_dropout
     ``dropouts``. The estimate is at or above the measurement and within 1% of it (the H100
-    run's peak of issue 41 was 1.7x below the constants taken before from Korthikanti et al.)."""
+    run's peak  was 1.7x below the constants taken before from Korthikanti et al.)."""
     dropout, activation_dropout = dropouts
     drops = [f"model.dropout={dropout}", f"model.activation_dropout={activation_dropout}"]
     from megatron_branchnorm.parallel.planner import (
@@ -150,7 +150,7 @@ def test_a_graph_pool_holds_what_a_links_capture_allocates(
 
 def test_the_loss_workspace_follows_the_chunked_loss():
     """The last stage's loss workspace: logits and their gradient in the activation dtype and
-    one fp32 chunk of model/loss.py's size (its fp32 (N, V) buffers are gone: issue 28), with
+    one fp32 chunk of model/loss.py's size (its fp32 (N, V) buffers are gone), with
     the allocator's margin as the activations have it."""
     from megatron_branchnorm.model.loss import CHUNK_ELEMENTS
     from megatron_branchnorm.parallel.planner import ALLOCATOR_MARGIN, LOSS_CHUNK_ELEMENTS
@@ -264,7 +264,7 @@ def test_cli_prints_the_table_and_total(tmp_path):
 def test_every_plan_keeps_the_recipes_tokens_per_update(capsys, tmp_path, gpus, layout):
     """opus100_1000L on 80 GB GPUs, as the launcher plans it (no --stages), with --stages auto
     and with --stages 16 where it divides: 128 x 4096 tokens per update, the paper's, whatever
-    the GPU count (issue 40: 24 GPUs planned 1 x 24 x 64, 6,291,456 tokens, without a word)."""
+    the GPU count (24 GPUs planned 1 x 24 x 64, 6,291,456 tokens, without a word)."""
     from megatron_branchnorm.commands import plan
 
     args = ["--config", "opus100_1000L", "--gpus", str(gpus), f"train.save_dir={tmp_path}"]

@@ -80,7 +80,7 @@ def test_the_planner_decides_what_fits():
 
 def test_a_fresh_start_keeps_the_configs_global_batch():
     """pipeline.data_parallel=2: 64 x 2 = 128 micro-batches per update on every allocation, as a
-    resume keeps the checkpoint's (issue 40: 1 stage x 24 took 64 each, 12x the batch)."""
+    resume keeps the checkpoint's (1 stage x 24 took 64 each, 12x the batch)."""
     cfg = _cfg(
         "pipeline.stages=16",
         "train.micro_batches=64",

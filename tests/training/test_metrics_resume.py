@@ -1,4 +1,4 @@
-"""metrics.jsonl across a resume from an earlier checkpoint (issue 40, item 9): the file is only
+"""metrics.jsonl across a resume from an earlier checkpoint: the file is only
 appended to (a kill can land at any moment), the writer marks each restart, and the one reader
 (megatron_branchnorm/formats/records.py) gives every step once, the latest run's row marked
 "redone"; retention, the plots, the run comparison and the rehearsal's check read that."""

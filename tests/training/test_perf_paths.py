@@ -84,7 +84,7 @@ def test_auto_layernorm_on_cpu_never_tries_apex(monkeypatch: pytest.MonkeyPatch)
 
 
 # ---------------------------------------------------------------------------------------------
-# The update (issue 41, item 3): host syncs per update, multi-tensor bf16 accumulation
+# The update: host syncs per update, multi-tensor bf16 accumulation
 # ---------------------------------------------------------------------------------------------
 
 UPDATE_OVERRIDES = [
@@ -213,7 +213,7 @@ def update_runs(tmp_path_factory):
 def test_one_host_sync_per_update(update_runs, run: str) -> None:
     """At most one host sync per update inside train_batch (2 micro-batches, recompute,
     clipping that clips): fp32 reads the all-stage norm once (collectives.to_host); bf16 reads
-    DeepSpeed's validity check once (before issue 41 its clipping read the norm a second time:
+    DeepSpeed's validity check once (before the change its clipping read the norm a second time:
     ``if clip_coef < 1``)."""
     r = update_runs[run]
     assert r["syncs_per_update"] == 1, r["sites"]
