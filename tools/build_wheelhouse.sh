@@ -8,12 +8,12 @@
 #                                                         # (the lent H100 has 3.12)
 #
 # and on the GPU machine, whose torch is already installed (copy DIR there, e.g. as a
-# device tool's carried folder: it stays under 64 MiB):
+# device tool's carried folder: it stays under 64 MiB), tools/device_run.sh installs from it
+# the wheels that machine's interpreter lacks into a folder on PYTHONPATH (never over its own
+# torch or numpy) and runs the measurements; by hand, the same:
 #
-#     python -m pip install --no-index --find-links DIR DIR/*.whl
-#     python -m pip install --no-deps --no-build-isolation -e .
-#     python tools/gpu_check.py
-#     python -m pip install --no-deps DIR/anchors/*.whl && python tools/gpu_bench.py
+#     python -m pip install --no-index --no-deps --target SITE DIR/<the wheels it lacks>
+#     PYTHONPATH=SITE:. python tools/gpu_check.py
 #
 # The list is this venv's packages less torch and what torch brings (its CUDA/triton
 # companions, sympy, networkx, jinja2...; typing_extensions is kept: the pins here may want a
@@ -50,7 +50,7 @@ ds=$("$py" -c 'from importlib.metadata import version; print(version("deepspeed"
 DS_BUILD_OPS=0 "$py" -m pip wheel --quiet --no-deps --no-build-isolation "deepspeed==$ds" -w "$dir"
 "$py" -m pip download --quiet --no-deps --only-binary=:all: "${target[@]}" setuptools wheel -d "$dir"
 # make gpu-bench's torchscale row (pure Python; installed with --no-deps: its timm pin needs
-# torchvision, and gpu_bench registers a stand-in timm): python -m pip install --no-deps DIR/anchors/*.whl
+# torchvision, and gpu_bench registers a stand-in timm); tools/device_run.sh installs them too
 "$py" -m pip download --quiet --no-deps --only-binary=:all: torchscale==0.3.0 -d "$dir/anchors"
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation fairscale==0.4.0 -w "$dir/anchors"
 echo "$dir: $(ls "$dir" | wc -l) wheels, $(du -sh "$dir" | cut -f1)"

@@ -10,9 +10,11 @@ One table, one row per system and batch size (tokens per side per update):
 
 - **train.py**: the real training path, in this process: the :class:`Trainer` of train.py (one
   stage, world size 1, ``zero1_bf16.json``, synthetic data, one micro-batch per update),
-  ``--updates`` updates (40 by default) and then a few under the profiler. Its figures are the
-  steady state: the median over the last half of the updates (past the warm-up, the lazy
-  optimizer state and any graph capture). tokens/s counts source + target tokens without
+  ``--updates`` updates (40 by default) and then a few under the profiler, its micro-batches
+  padded to :data:`BUCKET_SHAPES` bucket shapes. Its figures are the steady state: the median
+  over the updates of the last half (past the warm-up and the lazy optimizer state) whose every
+  shape had run before, and with graphs had been captured before (:func:`steady_updates`:
+  replays only; the table says over how many). tokens/s counts source + target tokens without
   padding, as train.py's metrics do; the FLOPs are the model FLOPs of those tokens
   (``planner.training_flops`` of each update's sentences, what train.py logs as
   ``tflops_per_gpu``), divided by the bf16 matmul peak measured at the start of the same run.
@@ -114,6 +116,12 @@ LENGTH = 32
 """Sentence length of the plain loops: train.py's synthetic sentences are 4-32 tokens."""
 PROFILED_UPDATES = 3
 """Updates (or steps) run under the profiler after the timed ones, for the GPU-busy figure."""
+BUCKET_SHAPES = 4
+"""``data.bucket_shapes`` of both train.py rows unless ``--override`` sets it: on the bench's
+synthetic sentences ``auto`` picks 20 shapes at 4,096 tokens and 28 at 16,384, and a graphed
+shape replays only from its call ``WARMUP + 1`` on (training/cuda_graphs.py), so most timed
+updates would run eagerly or capture. Eager runs the same shapes: the rows compare like with
+like."""
 CPU_MATMUL_N = 512
 """The bf16 matmul of the small mode's peak (8192^3 on a GPU): a small matmul's speed, not
 the CPU's peak, so the small mode's "of bf16 peak" can pass 100%."""
@@ -137,6 +145,8 @@ class Result:
     planned_flops: float | None = None  # train.py only: the planner's GPU FLOPs per update
     layers: int | None = None  # train.py only: encoder (= decoder) layers
     data_ms: float | None = None  # train.py only: the host's ms per update in the data stream
+    timed_updates: int | None = None  # train.py only: the updates the medians are taken over
+    settled: bool | None = None  # train.py only: those updates ran shapes seen (captured) before
     note: str = ""
 
     def brief(self) -> str:
@@ -295,8 +305,25 @@ def train_overrides(
         "train.save_interval=0",
         f"train.deepspeed_config={DS_CONFIG_DIR / 'zero1_bf16.json'}",
         f"train.save_dir={save_dir}",
+        f"data.bucket_shapes={BUCKET_SHAPES}",
         *extra,
     ]
+
+
+def steady_updates(shapes: list[tuple], updates: int, warmup: int) -> list[int]:
+    """The timed updates (indices) that count: those of the last half whose every bucket shape
+    had been called more than ``warmup`` times before, so that with graphs each is a replay of
+    a graph captured earlier (training/cuda_graphs.py runs a shape's first ``warmup`` calls
+    eagerly and captures at the next). An update without shapes (``data.bucket_shapes=0``)
+    always counts."""
+    calls: dict = {}
+    kept = []
+    for i, update_shapes in enumerate(shapes[:updates]):
+        if i >= updates // 2 and all(calls.get(k, 0) > warmup for k in update_shapes):
+            kept.append(i)
+        for k in update_shapes:
+            calls[k] = calls.get(k, 0) + 1
+    return kept
 
 
 @contextlib.contextmanager
@@ -338,6 +365,7 @@ def run_train_py(
     from megatron_branchnorm.config import load_config
     from megatron_branchnorm.data.buckets import max_shapes_of
     from megatron_branchnorm.parallel.planner import plan_run, training_flops
+    from megatron_branchnorm.training.cuda_graphs import WARMUP
 
     if system == "train.py+graphs":
         extra = [*extra, "model.cuda_graphs=on"]
@@ -350,6 +378,7 @@ def run_train_py(
     plan = plan.with_shapes(max_shapes_of(cfg.data.bucket_shapes), cfg.model.cuda_graphs != "off")
     _reset_memory(device)
     clock, flops, tokens_done, prof, data_s = Clock(device), [], [], {}, []
+    shapes: list[tuple] = []  # each update's bucket shapes, in order
     with _one_rank():
         from megatron_branchnorm.training.trainer import Trainer
 
@@ -362,6 +391,7 @@ def run_train_py(
             data_s.append(time.perf_counter() - started)
             src = u.all_tokens - u.target_tokens  # what the trainer counts (metrics.Progress)
             flops.append(training_flops(cfg.model, src, u.target_tokens, u.samples))
+            shapes.append(tuple(u.shapes or ()))
             return u
 
         def timed(t: int):
@@ -389,12 +419,23 @@ def run_train_py(
         peak, reserved = _peak_memory(device), _peak_reserved(device)
         del trainer
     dts = clock.intervals()
+    # graphed: past each shape's capture; eager: past each shape's first call
+    kept = steady_updates(shapes, len(dts), WARMUP if system == "train.py+graphs" else 0)
+    settled = bool(kept)
+    if not settled:  # too few updates for that (the CPU's small mode): the last half, said
+        kept = list(range(len(dts) // 2, len(dts)))
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values[i] for i in kept)
+
     return Result(
         system,
         tokens,
-        ms_per_update=steady_state(dts) * 1e3,
-        tokens_per_s=steady_state([n / dt for n, dt in zip(tokens_done, dts, strict=False)]),
-        flops_per_s=steady_state([f / dt for f, dt in zip(flops, dts, strict=False)]),
+        ms_per_update=median(dts) * 1e3,
+        tokens_per_s=median([n / dt for n, dt in zip(tokens_done, dts, strict=False)]),
+        flops_per_s=median([f / dt for f, dt in zip(flops, dts, strict=False)]),
+        timed_updates=len(kept),
+        settled=settled,
         busy=prof["out"]["busy"],
         peak_memory=peak,
         peak_reserved=reserved,
@@ -526,6 +567,12 @@ class Bench:
     rows: list[Result]
 
 
+def _bucket_shapes(extra: list[str]) -> str:
+    """The train.py rows' ``data.bucket_shapes``: the last ``--override`` of it, else ours."""
+    given = [o.split("=", 1)[1] for o in extra if o.split("=", 1)[0] == "data.bucket_shapes"]
+    return given[-1] if given else str(BUCKET_SHAPES)
+
+
 def run_bench(
     device: str,
     tokens: tuple[int, ...],
@@ -567,6 +614,9 @@ def run_bench(
         "fused AdamW; train.py: synthetic sentences of 4-32 tokens, bf16 + ZeRO-1",
         f"steady state: median of updates {updates // 2 + 1}-{updates} of {updates}; GPU busy: "
         f"{PROFILED_UPDATES} more updates under torch.profiler",
+        f"train.py rows: data.bucket_shapes={_bucket_shapes(extra)}; of updates "
+        f"{updates // 2 + 1}-{updates}, those whose every shape had run more than the graphs' "
+        "eager warm-up calls before (with graphs: replays of graphs captured earlier)",
     ]
     if device != "cuda":
         header.append(
@@ -631,6 +681,8 @@ def format_table(bench: Bench, device: str) -> str:
         if r.planned_memory is not None:
             memory += f" (planner: {_gib(r.planned_memory)})"
         ms = f"{r.ms_per_update:.1f}"
+        if r.timed_updates is not None:
+            ms += f" over {r.timed_updates}" + ("" if r.settled else " (shapes not yet settled)")
         if r.planned_ms is not None:
             ms += f" (planner: {r.planned_ms:.1f})"
         lines.append(

@@ -82,7 +82,11 @@ def test_cpu_small_mode_prints_every_row(tmp_path, capsys) -> None:
     assert "planner:" in ours
     # the planner's time per update beside the measured one (planner.RunPlan.seconds_per_update)
     assert rows["train.py"]["planned_ms"] > 0
-    assert f"| {rows['train.py']['ms_per_update']:.1f} (planner: " in ours
+    r = rows["train.py"]
+    settled = "" if r["settled"] else " (shapes not yet settled)"
+    assert f"| {r['ms_per_update']:.1f} over {r['timed_updates']}{settled} (planner: " in ours
+    assert 1 <= r["timed_updates"] <= 2  # of the last half of 4 updates
+    assert f"train.py rows: data.bucket_shapes={gpu_bench.BUCKET_SHAPES}; " in out
     per_pair = rows["train.py"]["ms_per_update"] / rows["train.py"]["layers"]
     assert f"train.py at 64: {per_pair:.2f} ms of host time per encoder + decoder layer" in out
     assert "not run on the CPU" in rows["torch-compiled"]["note"]
@@ -158,3 +162,24 @@ def test_a_train_py_run_that_fails_is_its_rows_note_and_exit_1(tmp_path, capsys,
     )
     assert table[3].startswith(f"| {gpu_bench.LABELS['ours']} | 64 | ")
     assert "Traceback" in (tmp_path / "gpu_bench.log").read_text()  # the whole story, logged
+
+
+def test_the_timed_updates_are_replays_of_shapes_captured_before() -> None:
+    """With graphs, a shape's first WARMUP calls run eagerly and the next captures: only an
+    update of the last half whose every shape has run more than WARMUP times is a replay."""
+    a, b, c = (1,), (2,), (3,)
+    shapes = [(a,), (b,), (a,), (a,), (b,), (a,), (c,), (b,), (b,), (a,)]
+    # last half: indices 5-9; a's calls before 5: 3, c new at 6, b's before 7: 2, before 8: 3
+    assert gpu_bench.steady_updates(shapes, 10, warmup=2) == [5, 8, 9]
+    assert gpu_bench.steady_updates(shapes, 10, warmup=0) == [5, 7, 8, 9]
+    assert gpu_bench.steady_updates([(), (), (), ()], 4, warmup=2) == [2, 3]  # no buckets
+
+
+def test_the_train_rows_pin_their_bucket_shapes_unless_overridden(tmp_path) -> None:
+    shape = gpu_bench.CPU_SHAPE
+    base = gpu_bench.train_overrides(shape, 64, 4, tmp_path, [])
+    assert f"data.bucket_shapes={gpu_bench.BUCKET_SHAPES}" in base
+    mine = gpu_bench.train_overrides(shape, 64, 4, tmp_path, ["data.bucket_shapes=2"])
+    assert mine[-1] == "data.bucket_shapes=2"  # the override comes last: it wins
+    assert gpu_bench._bucket_shapes(["data.bucket_shapes=2"]) == "2"
+    assert gpu_bench._bucket_shapes([]) == str(gpu_bench.BUCKET_SHAPES)
