@@ -19,7 +19,8 @@
 # companions, sympy, networkx, jinja2...; typing_extensions is kept: the pins here may want a
 # newer one than the device's torch brought), less what only the tests use, and less matplotlib
 # and TensorBoard with their dependencies (~45 MB: the plotting tools need matplotlib; the
-# trainer runs without TensorBoard and says so). DeepSpeed comes from PyPI as source and is
+# trainer runs without TensorBoard and says so), less CTranslate2 (~40 MB: the optional fast
+# inference engine) and the docs site's MkDocs family. DeepSpeed comes from PyPI as source and is
 # built here into a pure-Python wheel (its CUDA ops compile just in time on the GPU machine,
 # as they would anyway).
 set -euo pipefail
@@ -35,6 +36,7 @@ trap 'rm -f "$reqs"' EXIT
     | grep -viE '^(pytest|iniconfig|pluggy|ruff|hypothesis|sortedcontainers|transformers|tokenizers|huggingface[-_]hub|hf[-_]xet|deepspeed)==' \
     | grep -viE '^(matplotlib|pillow|fonttools|kiwisolver|contourpy|cycler|pyparsing|python[-_]dateutil|six)==' \
     | grep -viE '^(tensorboard|tensorboard[-_]data[-_]server|grpcio|protobuf|absl[-_]py|markdown|werkzeug)==' \
+    | grep -viE '^(ctranslate2|mkdocs[-_a-z]*|pymdown[-_]extensions|babel|paginate|backrefs|ghp[-_]import|mergedeep|pathspec|pyyaml[-_]env[-_]tag|watchdog|platformdirs)==' \
     > "$reqs"
 # Binary wheels for this interpreter, or for CPython $TARGET_PYTHON on x86-64 Linux: the same
 # pinned versions, the ABI of the machine that will install them.
