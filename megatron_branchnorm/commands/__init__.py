@@ -54,6 +54,8 @@ FRONT_DOORS: tuple[FrontDoor, ...] = (
     FrontDoor("corpus", "command", _C + "corpus", "build_locale_corpus", "mbn-corpus"),
     FrontDoor("opus_like", "command", _C + "opus_like", "make_opus_like_corpus"),
     FrontDoor("watch_bleu", "command", _C + "watch_bleu", "watch_bleu", "mbn-watch-bleu"),
+    # A checkout's developer tool (it writes the checkout's docs/reference/): no console script.
+    FrontDoor("reference", "command", _C + "reference", "gen_reference"),
     FrontDoor("demo", "workflow", _W + "demo", "run_demo", "mbn-demo"),
     FrontDoor("rehearse", "workflow", _W + "rehearse", "rehearse", "mbn-rehearse"),
     FrontDoor("gpu_check", "workflow", _W + "gpu_check", "gpu_check", "mbn-gpu-check"),
@@ -98,6 +100,7 @@ OUTPUT_OPTIONS: dict[str, dict[str, str]] = {
     "corpus": {"--output": "dir"},
     "opus_like": {"--output": "dir"},
     "watch_bleu": {},  # valid_bleu.jsonl inside the run it scores, a run's own entry
+    "reference": {},  # the checkout's docs/reference/ pages, its own
     "demo": {"--out": "dir"},
     "rehearse": {"--workdir": "dir", "--json": "file", "--markdown": "file"},
     "gpu_check": {"--workdir": "dir", "--json": "file"},
