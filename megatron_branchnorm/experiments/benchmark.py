@@ -85,8 +85,9 @@ SECTIONS = ("model", "trainstep", "pipeline", "deep", "beam", "preprocess", "lau
 
 
 def bench_launches(a: argparse.Namespace, work: Path) -> dict:
-    """Kernel-launching ops per layer per micro-batch, host syncs and the last stage's peak
-    memory of each config in ``--launch-configs`` (launches.measure)."""
+    """Kernel-launching ops per layer per micro-batch, host syncs (syncing ops, device-to-host
+    copies, synchronize calls) and the last stage's peak memory of each config in
+    ``--launch-configs`` (launches.measure)."""
     from megatron_branchnorm.experiments import launches  # torch: only when this section runs
 
     configs = [c for c in (a.launch_configs or ",".join(launches.DEFAULT_CONFIGS)).split(",") if c]
@@ -95,7 +96,8 @@ def bench_launches(a: argparse.Namespace, work: Path) -> dict:
         log(
             f"launches {name}: enc {r['enc_ops_per_layer_mb']:.1f}, dec "
             f"{r['dec_ops_per_layer_mb']:.1f} ops/layer/micro-batch, "
-            f"{r['host_syncs_per_mb']:.2f} host syncs/micro-batch"
+            f"{r['host_syncs_per_mb']:.2f} host syncs, {r['d2h_copies_per_mb']:.2f} "
+            f"device-to-host copies, {r['sync_calls_per_mb']:.2f} synchronize calls/micro-batch"
         )
     return res
 
@@ -242,6 +244,12 @@ def _main(argv: list[str] | None) -> int:
         "--beam-data", default=None, help="beam: with --beam-export, its DATA_DIR (test split)"
     )
     p.add_argument(
+        "--beam-engines",
+        action="store_true",
+        help="beam: with --beam-export, also ours vs generate vs CTranslate2 float32/int8 "
+        "(bench_beam.bench_engines)",
+    )
+    p.add_argument(
         "--launch-configs",
         default=None,
         help="launches: the shipped configs whose ops per layer are counted "
@@ -292,6 +300,8 @@ def _main(argv: list[str] | None) -> int:
         p.error(f"unknown sections {sorted(unknown)} (of {', '.join(SECTIONS)})")
     if bool(a.beam_export) != bool(a.beam_data):
         p.error("--beam-export and --beam-data go together")
+    if a.beam_engines and not a.beam_export:
+        p.error("--beam-engines needs --beam-export and --beam-data (a trained export)")
     # absolute: train.py runs in the tree it times (--baseline: another one)
     work = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix="mbn_bench_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron_branchnorm.experiments.launches import call_site, is_host_sync
+from megatron_branchnorm.experiments.launches import call_site, copy_devices, is_host_sync
 
 HOST_READ_METHODS = ("tolist", "numpy", "cpu", "__array__")
 """Tensor methods that read a tensor's values on the host. On a CPU tensor they dispatch no
@@ -203,23 +203,13 @@ class CaptureAudit(HostSyncCounter):
         self.calls.append(OpCall(str(func), inputs, outputs, site))
         if torch.Tag.dynamic_output_shape in getattr(func, "tags", ()):
             self.findings.append(Finding("data-dependent size", str(func), site))
+        devices = copy_devices(func, args, kwargs)
         if name in HOST_DATA_OPS:
             self.findings.append(Finding("host-to-device copy", str(func), site))
-        elif name in ("_to_copy", "copy_", "to"):
-            self._check_transfer(func, args, out, site)
-        super().observe(func, args, kwargs, out)
-
-    def _check_transfer(self, func: Any, args: tuple, out: Any, site: str) -> None:
-        """A copy whose source and result live on different devices."""
-        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not tensors or not results:
-            return
-        src = tensors[-1] if func._overloadpacket.__name__ == "copy_" else tensors[0]
-        dst = results[0]
-        if src.device.type != dst.device.type:
-            kind = "device-to-host copy" if dst.device.type == "cpu" else "host-to-device copy"
+        elif devices is not None and devices[0] != devices[1]:
+            kind = "device-to-host copy" if devices[1] == "cpu" else "host-to-device copy"
             self.findings.append(Finding(kind, str(func), site))
+        super().observe(func, args, kwargs, out)
 
     def op_counts(self) -> Counter[str]:
         """The recorded ops by name."""

@@ -17,8 +17,15 @@ How the count is made:
   host syncs apart (``_local_scalar_dense``, which ``float(t)``, ``int(t)``, ``.item()`` and
   ``bool(t)`` reach, and the ops that sync on CUDA: :data:`HOST_SYNC_OPS`), and tracks the
   bytes of the storages allocated inside it while they live (weakref finalizers), with their
-  peak. Syncs inside the pipeline instructions that run once per micro-batch are reported per
-  micro-batch, the others (optimizer step, gradient reductions) per update.
+  peak. Two more ways to block the host are counted apart: device-to-host copies (a copy op
+  from a tensor on the measured device into a CPU tensor, :func:`is_device_to_host_copy`:
+  what ``.cpu()``, ``.tolist()``, ``.to("cpu")`` and ``cpu_tensor.copy_(t)`` dispatch) and
+  synchronize calls (``torch.cuda.synchronize``, ``torch.cuda.Stream.synchronize``,
+  ``torch.cuda.Event.synchronize``, ``torch.accelerator.synchronize`` and DeepSpeed's
+  ``get_accelerator().synchronize``, wrapped while the counter is active:
+  :func:`synchronize_targets`). Each of the three inside the pipeline instructions that run
+  once per micro-batch is reported per micro-batch, the others (optimizer step, gradient
+  reductions) per update.
 - :func:`run_child` runs the real :class:`~megatron_branchnorm.training.trainer.Trainer` in one
   process (1 stage, world size 1) with the counter wrapped around the engine's ``train_batch``
   (the instance attribute): the first update is a warm-up (first-touch allocations, lazy
@@ -34,7 +41,8 @@ How the count is made:
   the loss: it is the last stage).
 
 What the CPU count cannot show: host-to-device copies of a micro-batch's token ids (on a CPU
-``.to(device)`` dispatches nothing), collectives (not aten ops: kept apart in ``other_ops``),
+``.to(device)`` dispatches nothing), device-to-host copies (on a CPU the measured device is the
+host: the GPU check counts them), collectives (not aten ops: kept apart in ``other_ops``),
 and kernel choices made inside one aten op (SDPA's backend, a fused optimizer); each is one
 op either way. The model's own code path differs in one place: dropout takes ``F.dropout``
 on CUDA (1 op forward, 1 backward) and model/dropout.py's mask on the CPU (5 forward, 2
@@ -111,6 +119,11 @@ HOST_SYNC_OPS = frozenset(
 ``float(t)``, ``int(t)``, ``.item()`` and ``bool(t)`` dispatch; the others need a result's
 size or value on the host."""
 
+COPY_OPS = frozenset({"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and_resize"})
+"""Ops that copy a tensor's values, possibly to another device: ``.to(device)``, ``.cpu()``
+and ``.tolist()`` (of a tensor off the CPU) dispatch ``_to_copy``; ``dst.copy_(src)`` and
+``dst[...] = src`` dispatch ``copy_``."""
+
 PER_MICRO_BATCH_PHASES = frozenset(
     {
         "LoadMicroBatch",
@@ -165,6 +178,58 @@ def is_host_sync(func: Any) -> bool:
     return name in HOST_SYNC_OPS or name.lstrip("_").startswith("unique")
 
 
+def copy_devices(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """The device types (source, destination) of a copy op (:data:`COPY_OPS`) called with
+    ``args`` and ``kwargs``; None for any other op."""
+    name = func._overloadpacket.__name__
+    if name not in COPY_OPS:
+        return None
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if name == "_to_copy" and tensors:
+        device = kwargs.get("device")
+        src = tensors[0].device.type
+        return src, src if device is None else torch.device(device).type
+    if len(tensors) < 2:
+        return None
+    if name in ("copy_", "copy"):  # copy_(self=destination, src)
+        return tensors[1].device.type, tensors[0].device.type
+    return tensors[0].device.type, tensors[1].device.type  # _copy_from(self=source, dst)
+
+
+def is_device_to_host_copy(
+    func: Any, args: tuple, kwargs: dict, device_type: str | None = None
+) -> bool:
+    """True for a copy op from a tensor on the measured device (of type ``device_type``:
+    ``cuda``; None: any device but the CPU) into a CPU tensor: the host waits for the device.
+    Never when the measured device is the CPU."""
+    devices = copy_devices(func, args, kwargs)
+    if devices is None or devices[1] != "cpu" or devices[0] == "cpu":
+        return False
+    return device_type is None or devices[0] == device_type
+
+
+def synchronize_targets() -> list[tuple[Any, str]]:
+    """``(owner, name)`` of each ``synchronize`` that blocks the host until a device is done,
+    where this torch has it: ``torch.cuda``'s, its ``Stream``'s and ``Event``'s,
+    ``torch.accelerator``'s, and that of the accelerator object DeepSpeed's ``get_accelerator()``
+    returns (the CPU accelerator's is a no-op)."""
+    from deepspeed.accelerator import get_accelerator
+
+    owners = [
+        (torch.cuda, "torch.cuda.synchronize"),
+        (getattr(torch.cuda, "Stream", None), "torch.cuda.Stream.synchronize"),
+        (getattr(torch.cuda, "Event", None), "torch.cuda.Event.synchronize"),
+        (getattr(torch, "accelerator", None), "torch.accelerator.synchronize"),
+        (get_accelerator(), "deepspeed accelerator.synchronize"),
+    ]
+    return [
+        (o, n) for o, n in owners if o is not None and callable(getattr(o, "synchronize", None))
+    ]
+
+
+_MISSING = object()
+
+
 def call_site(
     skip: str = __file__, roots: tuple[str, ...] = ("megatron_branchnorm", "deepspeed")
 ) -> str:
@@ -186,14 +251,19 @@ def call_site(
 
 class LaunchCounter(TorchDispatchMode):
     """While active (``with counter:``), counts the kernel-launching aten ops dispatched, the
-    host syncs, and the live and peak bytes of the storages allocated inside it.
+    host syncs, the device-to-host copies from a tensor on ``device_type`` (None: any device
+    but the CPU), the synchronize calls (:func:`synchronize_targets`, wrapped while active; a
+    synchronize called inside another counts once), and the live and peak bytes of the
+    storages allocated inside it.
 
     The counts accumulate over every activation; ``phase`` (set by the caller, e.g. per
     pipeline instruction) labels the ops counted while it is set. Live bytes stay tracked
     between activations (a storage allocated inside is freed whenever its last tensor dies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
+        self.device_type = device_type
+        """The measured device's type (``cuda``): copies from it to the CPU are counted."""
         self.ops: Counter[str] = Counter()
         """Kernel-launching ops by overload name (``aten.add.Tensor``)."""
         self.skipped: Counter[str] = Counter()
@@ -206,6 +276,18 @@ class LaunchCounter(TorchDispatchMode):
         """Host syncs by the caller that caused them (``file:line function``)."""
         self.sync_phases: Counter[str] = Counter()
         """Host syncs by :attr:`phase`."""
+        self.d2h_ops: Counter[str] = Counter()
+        """Device-to-host copies by op name (``aten._to_copy.default``)."""
+        self.d2h_sites: Counter[str] = Counter()
+        """Device-to-host copies by caller."""
+        self.d2h_phases: Counter[str] = Counter()
+        """Device-to-host copies by :attr:`phase`."""
+        self.sync_funcs: Counter[str] = Counter()
+        """Synchronize calls by function (``torch.cuda.synchronize``)."""
+        self.sync_func_sites: Counter[str] = Counter()
+        """Synchronize calls by caller."""
+        self.sync_func_phases: Counter[str] = Counter()
+        """Synchronize calls by :attr:`phase`."""
         self.phase = "other"
         self.by_phase: Counter[str] = Counter()
         """Kernel ops by :attr:`phase`."""
@@ -218,6 +300,9 @@ class LaunchCounter(TorchDispatchMode):
         0.1% above the last snapshot)."""
         self._live: dict[int, tuple[int, str]] = {}
         self._snapshot_bytes = 0
+        self._active = 0
+        self._in_sync = 0
+        self._saved: list[tuple[Any, Any]] = []
 
     @property
     def kernel_ops(self) -> int:
@@ -228,6 +313,56 @@ class LaunchCounter(TorchDispatchMode):
     def host_syncs(self) -> int:
         """All host syncs counted so far."""
         return sum(self.syncs.values())
+
+    @property
+    def d2h_copies(self) -> int:
+        """All device-to-host copies counted so far."""
+        return sum(self.d2h_ops.values())
+
+    @property
+    def sync_calls(self) -> int:
+        """All synchronize calls counted so far."""
+        return sum(self.sync_funcs.values())
+
+    def __enter__(self) -> LaunchCounter:
+        if self._active == 0:
+            for owner, name in synchronize_targets():
+                saved = vars(owner).get("synchronize", _MISSING)
+                wrapper = self._counted_sync(name, owner.synchronize)
+                owner.synchronize = wrapper
+                self._saved.append((owner, saved))
+        self._active += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                for owner, saved in reversed(self._saved):
+                    if saved is _MISSING:
+                        del owner.synchronize
+                    else:
+                        owner.synchronize = saved
+                self._saved.clear()
+
+    def _counted_sync(self, name: str, original: Callable) -> Callable:
+        """``original`` (a synchronize), counted as ``name`` unless another one called it."""
+        counter = self
+
+        def synchronize(*args: Any, **kwargs: Any) -> Any:
+            if not counter._in_sync:
+                counter.sync_funcs[name] += 1
+                counter.sync_func_sites[call_site()] += 1
+                counter.sync_func_phases[counter.phase] += 1
+            counter._in_sync += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter._in_sync -= 1
+
+        return synchronize
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -249,6 +384,10 @@ class LaunchCounter(TorchDispatchMode):
             self.syncs[func._overloadpacket.__name__] += 1
             self.sync_sites[call_site()] += 1
             self.sync_phases[self.phase] += 1
+        if kind != "other" and is_device_to_host_copy(func, args, kwargs, self.device_type):
+            self.d2h_ops[name] += 1
+            self.d2h_sites[call_site()] += 1
+            self.d2h_phases[self.phase] += 1
         if kind in ("kernel", "alloc"):
             self._track(args, kwargs, out, name)
         return out
@@ -408,13 +547,14 @@ def run_child(spec: dict) -> dict:
             ],
         )
         trainer = Trainer(cfg)
+        device_type = torch.device(trainer.engine.device).type
         if cfg.model.compile:
             import torch._inductor.config as inductor_config
 
             inductor_config.cpp.enable_kernel_profile = True
-            counter: LaunchCounter = CompiledLaunchCounter()
+            counter: LaunchCounter = CompiledLaunchCounter(device_type)
         else:
-            counter = LaunchCounter()
+            counter = LaunchCounter(device_type)
         instrument_engine(trainer.engine, counter, warmup)
         # the run's end would save a checkpoint: the measurement needs none
         trainer.checkpointer.save_if_missing = lambda *_args, **_kwargs: None
@@ -443,6 +583,15 @@ def run_child(spec: dict) -> dict:
         "syncs": dict(counter.syncs),
         "sync_sites": dict(counter.sync_sites),
         "sync_phases": dict(counter.sync_phases),
+        "device_type": device_type,
+        "d2h_copies": counter.d2h_copies,
+        "d2h_ops": dict(counter.d2h_ops),
+        "d2h_sites": dict(counter.d2h_sites),
+        "d2h_phases": dict(counter.d2h_phases),
+        "sync_calls": counter.sync_calls,
+        "sync_funcs": dict(counter.sync_funcs),
+        "sync_func_sites": dict(counter.sync_func_sites),
+        "sync_func_phases": dict(counter.sync_func_phases),
         "peak_bytes": counter.peak_bytes,
         "peak_by_op": counter.peak_by_op,
         "wall_s": wall,
@@ -553,8 +702,9 @@ def memory_spec(config: str, vocab: int = MEMORY_VOCAB, extra: tuple[str, ...] =
 def per_layer(runs: list[dict]) -> dict:
     """Ops per encoder and decoder layer per micro-batch from the three runs of
     :func:`count_specs` (in :data:`LAYOUTS` order), the kernel ops by phase and by op name per
-    layer, and the host syncs of the (2, 2) run: those inside the instructions that run once
-    per micro-batch (:data:`PER_MICRO_BATCH_PHASES`) per micro-batch, the others per update."""
+    layer, and the host syncs, device-to-host copies and synchronize calls of the (2, 2) run:
+    those inside the instructions that run once per micro-batch
+    (:data:`PER_MICRO_BATCH_PHASES`) per micro-batch, the others per update."""
     base, enc, dec = runs
     mb = base["micro_batches"]
     norm = mb * base["updates"]
@@ -564,9 +714,16 @@ def per_layer(runs: list[dict]) -> dict:
         diff.subtract(base[key])
         return {k: v / extra_layers / norm for k, v in diff.items() if v}
 
-    per_mb_syncs = sum(
-        n for phase, n in base["sync_phases"].items() if phase in PER_MICRO_BATCH_PHASES
-    )
+    def split(total: str, phases: str) -> tuple[float, float]:
+        per_mb = sum(n for phase, n in base[phases].items() if phase in PER_MICRO_BATCH_PHASES)
+        return per_mb / norm, (base[total] - per_mb) / base["updates"]
+
+    def per_update(sites: str) -> dict[str, float]:
+        return {k: v / base["updates"] for k, v in sorted(base[sites].items())}
+
+    syncs_mb, syncs_update = split("host_syncs", "sync_phases")
+    d2h_mb, d2h_update = split("d2h_copies", "d2h_phases")
+    calls_mb, calls_update = split("sync_calls", "sync_func_phases")
     de = enc["encoder_layers"] - base["encoder_layers"]
     dd = dec["decoder_layers"] - base["decoder_layers"]
     enc_ops = (enc["kernel_ops"] - base["kernel_ops"]) / de / norm
@@ -577,11 +734,15 @@ def per_layer(runs: list[dict]) -> dict:
         "enc_ops_per_layer_mb": enc_ops,
         "dec_ops_per_layer_mb": dec_ops,
         "avg_ops_per_layer_mb": (enc_ops + dec_ops) / 2,
-        "host_syncs_per_mb": per_mb_syncs / norm,
-        "host_syncs_per_update": (base["host_syncs"] - per_mb_syncs) / base["updates"],
-        "sync_sites_per_update": {
-            k: v / base["updates"] for k, v in sorted(base["sync_sites"].items())
-        },
+        "host_syncs_per_mb": syncs_mb,
+        "host_syncs_per_update": syncs_update,
+        "sync_sites_per_update": per_update("sync_sites"),
+        "d2h_copies_per_mb": d2h_mb,
+        "d2h_copies_per_update": d2h_update,
+        "d2h_sites_per_update": per_update("d2h_sites"),
+        "sync_calls_per_mb": calls_mb,
+        "sync_calls_per_update": calls_update,
+        "sync_call_sites_per_update": per_update("sync_func_sites"),
         "kernel_ops_per_mb_2x2": base["kernel_ops"] / norm,
         "enc_by_phase": layer(enc, "by_phase", de),
         "dec_by_phase": layer(dec, "by_phase", dd),
@@ -654,11 +815,12 @@ def measure(configs: list[str], compile_layers: bool = False, **options: Any) ->
 
 def format_table(res: dict, top: int = 12) -> str:
     """The results of :func:`measure` as text: the table, then per config where a layer's
-    ops and the host syncs come from."""
+    ops, the host syncs, the device-to-host copies and the synchronize calls come from."""
     lines = [res["cpu"], ""]
     head = (
         f"{'config':<16}{'mb':>4}{'enc ops/L/mb':>14}{'dec ops/L/mb':>14}{'avg':>8}"
-        f"{'syncs/mb':>10}{'syncs/update':>14}{'peak MB (last stage)':>22}"
+        f"{'syncs/mb':>10}{'syncs/update':>14}{'d2h/mb':>8}{'sync()/mb':>11}"
+        f"{'peak MB (last stage)':>22}"
     )
     lines += [head, "-" * len(head)]
     for name, r in res["configs"].items():
@@ -667,6 +829,7 @@ def format_table(res: dict, top: int = 12) -> str:
             f"{name:<16}{r['micro_batches']:>4}{r['enc_ops_per_layer_mb']:>14.1f}"
             f"{r['dec_ops_per_layer_mb']:>14.1f}{r['avg_ops_per_layer_mb']:>8.1f}"
             f"{r['host_syncs_per_mb']:>10.2f}{r['host_syncs_per_update']:>14.1f}"
+            f"{r['d2h_copies_per_mb']:>8.2f}{r['sync_calls_per_mb']:>11.2f}"
             f"{'-' if peak is None else f'{peak:.0f}':>22}"
         )
     for name, r in res["configs"].items():
@@ -684,9 +847,15 @@ def format_table(res: dict, top: int = 12) -> str:
             left = f"{enc[i][1]:>6.2f}  {enc[i][0]}" if i < len(enc) else ""
             right = f"{dec[i][1]:>6.2f}  {dec[i][0]}" if i < len(dec) else ""
             lines.append(f"  {left:<46}{right}")
-        lines.append("host syncs per update (2+2 layers), by caller:")
-        for site, n in r["sync_sites_per_update"].items():
-            lines.append(f"  {n:>5.1f}  {site}")
+        for what, key in (
+            ("host syncs", "sync_sites_per_update"),
+            ("device-to-host copies", "d2h_sites_per_update"),
+            ("synchronize calls", "sync_call_sites_per_update"),
+        ):
+            if what == "host syncs" or r[key]:
+                lines.append(f"{what} per update (2+2 layers), by caller:")
+            for site, n in r[key].items():
+                lines.append(f"  {n:>5.1f}  {site}")
         if "memory_run" in r:
             mem = r["memory_run"]
             lines.append(

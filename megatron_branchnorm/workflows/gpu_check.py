@@ -24,8 +24,11 @@ It prints one table. On the device (``cuda`` when available):
    with dropout, against the eager layers from the same random state (the gradients); then
    short train.py runs with ``model.cuda_graphs=on`` against the same runs eager: losses
    within the bf16 loss tolerance, and the layers really captured;
-5. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and the
-   host syncs per micro-batch (``experiments/launches.py``, opus100_200L's settings);
+5. **launches**: kernel-launching ops per layer per micro-batch inside ``train_batch`` and what
+   blocks the host per micro-batch there: syncing ops (``.item()``, ``nonzero``...),
+   device-to-host copies (``.cpu()``, ``.tolist()``, ``copy_`` into a CPU tensor) and
+   synchronize calls (torch's and DeepSpeed's accelerator's), 0 of each asked
+   (``experiments/launches.py``, opus100_200L's settings);
 6. **throughput**: train.py end to end on one rank (its collectives included: they run at
    world size 1 too) for ``--steps`` updates (40) of a 12L-12L d=512 model with 16k tokens per
    micro-batch (bf16 + ZeRO-1, 1 stage): the steady-state tokens/s (the median of the last half
@@ -484,19 +487,23 @@ def recompute_dropout_rows(device: str) -> list[Row]:
 
 
 def launch_rows(device: str) -> list[Row]:
-    """Kernel-launching ops per layer per micro-batch inside train_batch and host syncs per
-    micro-batch (experiments/launches.py) with opus100_200L's settings on a GPU (the CUDA
-    kernels: its dropout is one fused kernel), tiny_cpu's on the CPU."""
+    """Kernel-launching ops per layer per micro-batch inside train_batch and the host syncs
+    per micro-batch: syncing ops, device-to-host copies and synchronize calls, each 0 to pass
+    (experiments/launches.py) with opus100_200L's settings on a GPU (the CUDA kernels: its
+    dropout is one fused kernel), tiny_cpu's on the CPU."""
     from megatron_branchnorm.experiments.launches import measure_config
 
     config = "opus100_200L" if device == "cuda" else "tiny_cpu"
     res = measure_config(config, micro_batches=2, memory=False, jobs=1)
+    syncs, copies = res["host_syncs_per_mb"], res["d2h_copies_per_mb"]
+    calls = res["sync_calls_per_mb"]
     return [
         Row(f"kernel ops per layer per micro-batch ({config}, encoder / decoder / mean)",
             f"{res['enc_ops_per_layer_mb']:.1f} / {res['dec_ops_per_layer_mb']:.1f} / "
             f"{res['avg_ops_per_layer_mb']:.1f}"),
-        Row("host syncs per micro-batch inside train_batch", f"{res['host_syncs_per_mb']:g}",
-            "0", res["host_syncs_per_mb"] == 0),
+        Row("host syncs per micro-batch inside train_batch",
+            f"{syncs:g} syncing ops / {copies:g} device-to-host copies / {calls:g} synchronize "
+            "calls", "0 each", syncs == copies == calls == 0),
     ]  # fmt: skip
 
 
@@ -534,16 +541,23 @@ def parity_rows(ranks: int, work: Path) -> list[Row]:
     return rows
 
 
+SECTIONS = ("precision", "apex", "graphs", "launches", "throughput", "two-stage", "parity")
+"""The sections ``--sections`` picks from (the environment's rows always come first): items 1
+and 2 of the module docstring are ``precision``, 3 ``apex``, 4 ``graphs``, 5 ``launches``, 6
+``throughput``, 7 ``two-stage``, 8 ``parity``."""
+
+
 def run_checks(
     device: str,
     ranks: int,
     steps: int,
     work: Path,
     emit: Callable[[list[Row]], None] | None = None,
+    sections: tuple[str, ...] = SECTIONS,
 ) -> list[Row]:
-    """Every check of the module docstring, as table rows; runs and logs go to ``work``.
-    ``emit`` gets each section's rows as the section ends, so that a run cut off by a time limit
-    (a lent GPU's minutes) still shows the sections it finished."""
+    """The checks of the module docstring in ``sections``, as table rows; runs and logs go to
+    ``work``. ``emit`` gets each section's rows as the section ends, so that a run cut off by
+    a time limit (a lent GPU's minutes) still shows the sections it finished."""
     import torch
 
     from megatron_branchnorm.training.environment import setup_process_env
@@ -571,16 +585,20 @@ def run_checks(
     if "fp16" not in precisions:
         first.append(Row("fp16", "not run: this device cannot run fp16 (DeepSpeed's accelerator)"))
     add(first)
-    add(precision_rows(device, precisions))
-    add(apex_rows(device))
     # correctness before speed: a lent GPU's time limit cuts the slowest sections last, and
     # gpu-bench measures the speed again (docs/performance.md)
-    add(recompute_dropout_rows(device))
-    add(cuda_graph_rows(device, work))
-    add(launch_rows(device))
-    add(throughput_rows(device, work, steps))
-    add(two_stage_rows(ranks, work))
-    add(parity_rows(ranks, work))
+    checks: dict[str, Callable[[], list[Row]]] = {
+        "precision": lambda: precision_rows(device, precisions),
+        "apex": lambda: apex_rows(device),
+        "graphs": lambda: recompute_dropout_rows(device) + cuda_graph_rows(device, work),
+        "launches": lambda: launch_rows(device),
+        "throughput": lambda: throughput_rows(device, work, steps),
+        "two-stage": lambda: two_stage_rows(ranks, work),
+        "parity": lambda: parity_rows(ranks, work),
+    }
+    for name in SECTIONS:
+        if name in sections:
+            add(checks[name]())
     return rows
 
 
@@ -629,7 +647,16 @@ def _main(argv: list[str] | None) -> int:
         "--workdir", default=None, help="runs and logs, new or empty (default: a temp dir)"
     )
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all, in "
+                        "that order; the environment's rows always run)")  # fmt: skip
     args = parser.parse_args(argv)
+    sections = tuple(s for s in args.sections.split(",") if s)
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        parser.error(
+            f"--sections: unknown {', '.join(unknown) or '(none given)'}; of {', '.join(SECTIONS)}"
+        )
     check_outputs(args.workdir, args.json)
     import torch
 
@@ -653,7 +680,7 @@ def _main(argv: list[str] | None) -> int:
             write_text_output(args.json, json.dumps([r.__dict__ for r in shown], indent=1))
 
     with open(work / "checks.log", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
-        rows = run_checks(device, ranks, args.steps, work, emit)  # DeepSpeed's prints: the log
+        rows = run_checks(device, ranks, args.steps, work, emit, sections)  # prints: the log
     if rows[len(shown) :]:
         emit(rows[len(shown) :])
     print(f"\nlogs: {work}")

@@ -1,8 +1,9 @@
 """The capture-safety audit (megatron_branchnorm/experiments/capture_audit.py).
 
 (a) The audit sees what a CUDA graph cannot capture, on a CPU: host syncs (an aten op and the
-Tensor methods that dispatch none), tensors made from host data, ops whose output size depends
-on the data, and a Python float that changes between replays. (b) The region a graph would
+Tensor methods that dispatch none), tensors made from host data, copies between the host and a
+device (the meta device standing in for a GPU), ops whose output size depends on the data, and
+a Python float that changes between replays. (b) The region a graph would
 capture, a pipeline stage's layer stack forward and backward for one micro-batch (encoder and
 decoder layers as train.py runs them, with the stage's padding bias and BranchNorm's alpha_t
 tensor; not the embedding lookup, not DeepSpeed's send/recv), run twice on two batches of the
@@ -28,6 +29,7 @@ from megatron_branchnorm.model.residual import set_branch_scale, stack_constants
 from megatron_branchnorm.parallel.pipeline import DecoderLayerPipe, EncoderLayerPipe
 from megatron_branchnorm.tokens import PAD_ID
 from tests.core.helpers import random_tokens, tiny_config
+from tests.experiments.test_launches import MetaReadsAsZeros
 
 B, S, T = 3, 7, 6
 """The bucket shape of both replays: sentences x source length x target length."""
@@ -84,6 +86,20 @@ def test_host_sync_counter_counts_by_caller() -> None:
     assert counter.host_syncs == 3
     assert counter.syncs == {"_local_scalar_dense": 1, "Tensor.tolist": 2}
     assert sum(counter.sites.values()) == 3
+
+
+def test_the_audit_sees_copies_between_host_and_device() -> None:
+    """The meta device stands in for a GPU (its copies to the host give zeros)."""
+    device, host = torch.randn(3, device="meta"), torch.zeros(3)
+    with MetaReadsAsZeros(), audited() as audit:
+        host.to("meta")
+        torch.empty(3, device="meta").copy_(host)
+        device.to("cpu", torch.float64)
+        host.copy_(device)
+        host.to(torch.float64)  # host to host: nothing to find
+        device.to(torch.float64)  # on the device: nothing either
+    kinds = [f.kind for f in audit.findings]
+    assert kinds == ["host-to-device copy"] * 2 + ["device-to-host copy"] * 2, audit.findings
 
 
 def _batch(seed: int, cfg) -> tuple:

@@ -72,7 +72,7 @@ def test_rows_are_printed_as_each_section_ends(monkeypatch, capsys, tmp_path):
     sections it finished, under the table's header, and written them to --json."""
     import json
 
-    def cut_off(device, ranks, steps, work, emit):
+    def cut_off(device, ranks, steps, work, emit, sections):
         emit([gpu_check.Row("environment", "here")])
         emit([gpu_check.Row("precision", "1e-4", "1e-2", True)])
         raise KeyboardInterrupt  # the next section never ends
@@ -132,3 +132,27 @@ def test_the_graph_rows_run_each_variant_graphed_and_share_an_eager_run(monkeypa
     assert not any(o.startswith("model.cuda_graph_link_layers=") for run in eager for o in run)
     assert "model.cuda_graph_link_layers=2" in graphed[2]
     assert "pipeline.activation_checkpoint_interval=1" in graphed[2]
+
+
+def test_sections_run_only_what_is_asked_in_their_order(monkeypatch, tmp_path):
+    """--sections graphs,precision runs the environment's rows, then precision, then the
+    graphs (the module's order, not the flag's), and nothing else: what a lent GPU's call asks
+    first."""
+    ran: list[str] = []
+    for fn, name in [("precision_rows", "precision"), ("apex_rows", "apex"),
+                     ("recompute_dropout_rows", "graphs"), ("cuda_graph_rows", "graphs"),
+                     ("launch_rows", "launches"), ("throughput_rows", "throughput"),
+                     ("two_stage_rows", "two-stage"), ("parity_rows", "parity")]:  # fmt: skip
+        monkeypatch.setattr(
+            gpu_check, fn, lambda *_a, n=name: ran.append(n) or [gpu_check.Row(n, "ran")]
+        )
+    monkeypatch.setattr(gpu_check, "environment", lambda _d: [gpu_check.Row("environment", "")])
+    argv = ["--device", "cpu", "--workdir", str(tmp_path / "w"), "--sections", "graphs,precision"]
+    assert gpu_check.main(argv) == 0
+    assert ran == ["precision", "graphs", "graphs"]
+
+
+def test_an_unknown_section_is_one_line(capsys, tmp_path):
+    assert gpu_check.main(["--device", "cpu", "--sections", "graphs,speed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sections: unknown speed" in err[0], err
