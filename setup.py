@@ -46,7 +46,21 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.5", "transformers>=4.44", "hypothesis>=6"],
+        "test": [
+            "pytest>=8",
+            "ruff>=0.5",
+            "transformers>=4.44",
+            "hypothesis>=6",
+            # tests/docs/test_site.py builds the docs site (mkdocs build --strict).
+            "mkdocs>=1.6.1",
+            "mkdocs-material>=9.8.2",
+            # tests/inference/test_ct2.py: CTranslate2 exports against our beam search.
+            "ctranslate2>=4.5",
+        ],
         "hf": ["transformers>=4.44"],
+        # convert_checkpoint.py --format ctranslate2; translate.py / evaluate.py on its exports.
+        "ct2": ["ctranslate2>=4.5", "transformers>=4.44"],
+        # The docs site: mkdocs serve / mkdocs build (mkdocs.yml at the root).
+        "docs": ["mkdocs>=1.6.1", "mkdocs-material>=9.8.2"],
     },
 )

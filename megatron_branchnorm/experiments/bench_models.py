@@ -245,7 +245,7 @@ def serve(a: argparse.Namespace) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The shared configuration (the issue's: 12L-12L, d=256, FFN 1024, 4 heads, 8k vocab,
+    """The shared configuration (12L-12L, d=256, FFN 1024, 4 heads, 8k vocab,
     2048 + 2048 tokens per step, dropout 0.1)."""
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--dim", type=int, default=256)

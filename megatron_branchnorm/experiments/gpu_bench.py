@@ -74,7 +74,7 @@ SYSTEMS = ("train.py", "train.py+graphs", "ours", "torch", "torch-compiled", "to
 """What the table compares, in its row order (``--systems`` picks some)."""
 
 RUN_ORDER = ("train.py", "train.py+graphs", "torchscale", "torch", "ours", "torch-compiled")
-"""The order the systems run in, each at every size before the next: what the issue's goals
+"""The order the systems run in, each at every size before the next: what the performance goals
 compare first (train.py at 4,096 and at 16,384 tokens: the 20% and 35% goals), the compile
 (minutes) last, so that a lent GPU's time limit cuts the least wanted rows."""
 RESERVE_S = {"torch-compiled": 180.0}

@@ -1,7 +1,7 @@
 """What this machine's CPU can do for training: the instruction-set flags that decide whether
 bf16 (and fp16) run natively, read from ``/proc/cpuinfo``.
 
-The development machines differ between sessions (docs/performance.md): some have
+Development machines differ (docs/performance.md): some have
 AVX-512-BF16 or AMX, where a bf16 training step ran 1.7x faster than fp32; others have AVX2
 only, where a single bf16 2048^3 matmul takes minutes. Benchmarks print these flags and run
 their bf16 sections only where bf16 is native.

@@ -55,7 +55,7 @@ walked back, so each parameter's hook fires once per backward), clipping, the ti
 and a checkpoint resume. Unchanged: ``zero_grad`` after each step zeroes the fp32 flat buffer
 (one kernel per parameter group per update) and sets the bf16 grads to None.
 
-Issue 41 (the GPU waits on the host: ../shared/DESIGN.md §12) adds two things:
+Because a GPU otherwise waits on the host (docs/design.md §14), this module adds two things:
 
 - **Multi-tensor accumulation on CUDA** (:class:`_MultiTensorAccumulation`, the default where
   the gradient buffers are on a GPU). The hook keeps the bf16 gradient instead of adding it

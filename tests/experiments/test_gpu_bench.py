@@ -129,7 +129,7 @@ def test_each_system_runs_at_every_size_before_the_next(tmp_path, monkeypatch) -
 def test_the_table_says_what_the_runs_make_of_the_planners_rates() -> None:
     """Below the table, each train.py row's implied planner rate: eagerly the host's ms per
     layer pair (the update's time over its layers), with graphs the GPU's sustained TFLOP/s
-    (the planner's GPU FLOPs of the update over its time): the figures the first GPU session
+    (the planner's GPU FLOPs of the update over its time): the figures a first GPU run
     sets planner.EAGER_HOST_S and --tflops by."""
     common = dict(tokens=4096, tokens_per_s=1e5, flops_per_s=1e13, busy=0.5, layers=12,
                   planned_flops=2.0e12)  # fmt: skip

@@ -31,7 +31,7 @@ from megatron_branchnorm.experiments.launches import (
 LAYER_OPS_BUDGET = 66
 """Kernel-launching aten ops per layer (average of an encoder and a decoder layer) per
 micro-batch, forward + backward + recompute + the layer's amortised optimizer work. It was 145
-before the change and is 66.0 now (49.75 encoder, 82.25 decoder): the issue's goal of 60 is not
+before the change and is 66.0 now (49.75 encoder, 82.25 decoder): the goal of 60 is not
 reached. What is left above a minimal layer is one fp32 gradient add per parameter tensor per
 micro-batch (12 encoder, 20 decoder), which only a weight-gradient GEMM accumulating into fp32
 would remove (CUDA-only in torch: docs/performance.md)."""

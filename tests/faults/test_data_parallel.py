@@ -73,7 +73,7 @@ def test_data_parallel_update_equals_one_replica(dp2_runs, fault_harness):
 
 
 def test_each_replica_builds_only_its_share(dp2_runs):
-    """Issue 29: each of the 4 ranks (2 stages x 2 replicas) builds the samples of its own
+    """Each of the 4 ranks (2 stages x 2 replicas) builds the samples of its own
     replica's batches only; the two replicas of a stage read disjoint halves of the epoch."""
     out, _ = dp2_runs
     reads: dict[tuple[int, int], tuple[int, int]] = {}

@@ -1,4 +1,4 @@
-"""Issue 31 §1: every directory knows what it is, and nothing else deletes it.
+"""Every directory knows what it is, and nothing else deletes it.
 
 A run directory, a DATA_DIR and an export each carry an identity (formats/dirs.py); the trainer
 starts only in a new or empty directory or in its own run, and every ``--overwrite`` replaces
@@ -83,7 +83,7 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_a_data_dir_as_save_dir_is_refused_and_untouched(data, tmp_path):
-    """The issue's case: ``train.save_dir=D`` with D a DATA_DIR trained into it."""
+    """The reported case: ``train.save_dir=D`` with D a DATA_DIR trained into it."""
     raw, D = data
     before = listing(D)
     (result,) = train(D, ["model.vocab_size=null", f"data.dataset={D}", "train.max_steps=2"])

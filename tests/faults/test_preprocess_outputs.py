@@ -1,4 +1,4 @@
-"""Issue 40, items 4, 13 and 12d: what preprocess writes besides its DATA_DIR, what a killed
+"""What preprocess writes besides its DATA_DIR, what a killed
 run leaves, and markers that are not small regular files.
 
 - ``--stats FILE`` follows ``--output``'s rules (cli.check_output_file with a recogniser):

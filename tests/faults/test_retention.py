@@ -200,7 +200,7 @@ def test_best_by_valid_bleu_keeps_the_highest_and_what_awaits_scoring(tmp_path):
 
 
 def test_valid_bleu_ranks_by_the_dev_split_under_one_scoring(tmp_path):
-    """Issue 31: a companion run with --split test wrote rows for the same steps; keep_best
+    """A companion run with --split test wrote rows for the same steps; keep_best
     ranked by them (the last row of a step won). Only dev rows rank, under one scoring; rows
     of an older companion (no key) never do."""
     fake_checkpoints(tmp_path, 2, 4, 6)
@@ -216,7 +216,7 @@ def test_valid_bleu_ranks_by_the_dev_split_under_one_scoring(tmp_path):
 
 
 def test_a_rewritten_checkpoint_loses_its_score_for_retention_and_convert(tmp_path):
-    """Issue 31: after a rollback (global_step6 deleted, latest at 4, trained to 6 again) the
+    """After a rollback (global_step6 deleted, latest at 4, trained to 6 again) the
     deleted branch's BLEU ranked the new step 6. A score counts only for the checkpoint it
     scored; a best.json written before the rewrite is refused by convert."""
     from megatron_branchnorm.inference.convert import ConvertError, resolve_tags

@@ -26,7 +26,7 @@ def test_restart_after_signals_matches_reference(one_rank_signals, fault_harness
 
 
 def test_signal_while_starting_requeues_instead_of_killing(early_signals):
-    """Issue 20: a SIGUSR1 that reached a rank before the Trainer's handler existed killed it
+    """A SIGUSR1 that reached a rank before the Trainer's handler existed killed it
     (exit 138) and the job was not requeued. train.py records the signal from its first line;
     the trainer acts on it before the first update: every rank exits 75, nothing is saved
     (no update ran since the checkpoint it resumed from), the metrics log is untouched."""

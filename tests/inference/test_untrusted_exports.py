@@ -74,7 +74,7 @@ def _edit_weights(out: Path, edit) -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("encoder_layers", 100_000),  # the case: 6 GB and climbing before
+        ("encoder_layers", 100_000),  # the reported case: 6 GB and climbing before
         ("encoder_layers", 1),
         ("decoder_layers", MAX_INT),
         ("hidden_size", 2**30),

@@ -140,7 +140,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch):
-    """Issue 31: --device cuda without CUDA was a traceback once a checkpoint was scored."""
+    """--device cuda without CUDA was a traceback once a checkpoint was scored."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -179,7 +179,7 @@ QUICK = ["--max-sentences", "4", "--beam", "1"]
 
 
 def test_a_test_split_run_then_a_default_run_scores_every_checkpoint(run, tmp_path, capsys):
-    """Issue 31: rows were keyed by step, so after --split test a default run scored nothing
+    """Rows were keyed by step, so after --split test a default run scored nothing
     and keep_best ranked by test BLEU."""
     copy = copy_run(run[0], tmp_path / "run")
     args = ["--checkpoint", str(copy), *QUICK]
@@ -208,7 +208,7 @@ def test_a_test_split_run_then_a_default_run_scores_every_checkpoint(run, tmp_pa
 
 
 def test_a_rewritten_checkpoint_is_scored_again(run, tmp_path, capsys):
-    """Issue 31: after a rollback rewrote global_step6, the new step 6 was never scored and
+    """After a rollback rewrote global_step6, the new step 6 was never scored and
     the deleted branch's score was used."""
     import torch
 

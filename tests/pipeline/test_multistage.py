@@ -151,7 +151,7 @@ def test_four_stages_sigusr1_and_exact_resume(multistage):
 
 
 def test_middle_stages_build_no_batches(multistage):
-    """Issue 29: of 4 stages only the first and last build the epoch's plan (DeepSpeed loads
+    """Of 4 stages only the first and last build the epoch's plan (DeepSpeed loads
     micro-batches there only); the middle ones build nothing, and the restart resumed them."""
     out, _ = multistage
     for rank in range(4):

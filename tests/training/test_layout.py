@@ -23,7 +23,7 @@ def test_the_configured_layout_when_it_fits_the_world():
 
 
 def test_a_resume_keeps_the_micro_batches_per_update():
-    # 2 replicas x 6 micro-batches saved; 3 replicas now: 4 each (the example)
+    # 2 replicas x 6 micro-batches saved; 3 replicas now: 4 each (the reported example)
     saved = SavedBatch(micro_batches=6, data_parallel=2)
     got = choose_layout(_cfg("pipeline.stages=1", "train.micro_batches=6"), 3, AMPLE, saved)
     assert (got.stages, got.data_parallel, got.micro_batches) == (1, 3, 4)

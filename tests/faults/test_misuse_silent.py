@@ -1,4 +1,4 @@
-"""Misuse cases  §4-§5 that used to give silent wrong results or a traceback: each
+"""Misuse cases that used to give silent wrong results or a traceback: each
 is now one line naming the file, key, line or variable, and exit 2 where a command runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 40, the members of its classes left open after the first fixes (all in-process):
+"""The members of the misuse classes left open after their first fixes (all in-process):
 
 1. every small file a user may hand us (a run's record files and lock, a checkpoint's
    manifest, a sweep registry, an export's files, a config, a DeepSpeed JSON) is read only
