@@ -32,7 +32,7 @@ cd "$(dirname "$0")/.."
 # against graphs at 4,096 and 16,384 tokens per side (the goals), the anchors, the precision
 # checks, the compiled nn.Transformer, and Apex's fused LayerNorm built from source. Launch
 # counts are exact on the CPU (make test counts them): not here.
-PLAN="install:40 graphs_check:110 bench_train:160 anchors:50 precision:60 compile:60 apex:60"
+PLAN="install:40 graphs_check:100 bench_train:150 anchors:40 precision:50 compile:60 apex:100"
 TOTAL_S=${TOTAL_S:-540}
 
 what=${1:-all}
@@ -197,7 +197,7 @@ for name in "${chosen[@]}"; do
     apex)  # Apex's fused LayerNorm built from a carried source snapshot (optional)
         if [ -d "$apex_src" ]; then
             step apex "$py" tools/apex_check.py --src "$apex_src" --build-dir "$work/apex" \
-                --json "$out/apex.json"
+                --max-seconds 80 --json "$out/apex.json"
         else
             note ""
             note "## apex: not run: no $apex_src (tools/apex_snapshot.sh makes it; carry it)"

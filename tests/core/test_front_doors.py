@@ -143,8 +143,9 @@ def test_runner_launch_agrees_with_the_registry():
 
 
 def _design_rooms() -> dict[str, str]:
-    """docs/design.md §9's table: each room's row by its name."""
-    text = (ROOT / "docs" / "design.md").read_text()
+    """design §9's table (docs/design.md's index sends §9 to its detail page,
+    docs/explanation/architecture.md): each room's row by its name."""
+    text = (ROOT / "docs" / "explanation" / "architecture.md").read_text()
     section = text.split("\n## 9. ", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():

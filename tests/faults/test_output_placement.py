@@ -247,6 +247,8 @@ RUNS: dict[tuple[str, str], Argv] = {
         "--json",
         out,
     ],  # fmt: skip
+    ("apex_layernorm", "--build-dir"): lambda t, out: ["--src", t["new"], "--build-dir", out],
+    ("apex_layernorm", "--json"): lambda t, out: ["--src", t["new"], "--json", out],
     ("bench_plan", "--work"): lambda t, out: ["--work", out],
     ("bench_plan", "--json"): lambda t, out: ["--work", t["new"], "--json", out],
     ("benchmark", "--workdir"): lambda t, out: ["--workdir", out],
@@ -275,6 +277,7 @@ EXPENSIVE = {
     "rehearse_slurm": [("workflows.rehearse_slurm", "local_cluster")],
     "rehearse_node_loss": [("workflows.rehearse_node_loss", "local_cluster")],
     "analyze_model": [("inference.export", "load_export")],
+    "apex_layernorm": [("experiments.apex_layernorm", "run_check")],
     "bench_plan": [("experiments.bench_plan", "write_data_dir")],
     "benchmark": [("experiments.benchmark", "cpu_info")],
     "fault_sweep": [("experiments.fault_sweep", "hang")],
