@@ -507,9 +507,15 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def config_yaml(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML text, every key in its section's order; :func:`load_config`
+    reads it back to the same config."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def dump_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML."""
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    """Write the resolved config as YAML (:func:`config_yaml`)."""
+    Path(path).write_text(config_yaml(cfg), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ with and without checkpointing, the pipeline bubble (p-1)/(m+p-1), whether it fi
 CUDA-graph static memory and how many graph sets fit beside the run (training/cuda_graphs.py);
 then each stage's time per micro-batch (GPU and host, eagerly and with CUDA graphs), the time
 per update of each and the days ``train.max_steps`` updates take.
-``section.key=value`` overrides apply as in train.py. Exit codes: 0 fits, 1 does not fit, 2 bad
+``section.key=value`` overrides apply as in train.py. The vocabulary is the trainer's: the
+config's ``model.vocab_size``, else the ``vocab_size`` of the manifest of the DATA_DIR that
+``data.dataset`` names (a config that disagrees with it is refused, as the trainer refuses it),
+else ``--vocab-size`` (where that DATA_DIR is not on this machine). Exit codes: 0 fits, 1 does not fit, 2 bad
 input (one line ``error: ...``), 130 Ctrl-C. The estimates are explained in
 megatron_branchnorm/parallel/planner.py.
 """
@@ -35,8 +38,9 @@ import sys
 from pathlib import Path
 
 from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
-from megatron_branchnorm.config import load_config
+from megatron_branchnorm.config import ExperimentConfig, load_config
 from megatron_branchnorm.data.buckets import max_shapes_of
+from megatron_branchnorm.formats.data_dir import MANIFEST
 from megatron_branchnorm.formats.outputs import write_stdout
 from megatron_branchnorm.parallel.planner import (
     DEFAULT_TFLOPS,
@@ -103,8 +107,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--vocab-size",
         type=int_flag(1),
-        default=DEFAULT_VOCAB,
-        help="vocabulary when the config leaves it to the data manifest",
+        default=None,
+        help="vocabulary when neither the config nor the manifest of data.dataset (a DATA_DIR "
+        f"on this machine) gives it (default: {DEFAULT_VOCAB})",
     )
     parser.add_argument(
         "--overhead",
@@ -123,9 +128,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def with_data_vocab(cfg: ExperimentConfig, vocab_size: int | None) -> ExperimentConfig:
+    """``cfg`` with ``model.vocab_size`` as the trainer takes it (``training.data.resolve_vocab``:
+    the config's, else the DATA_DIR manifest's; a mismatch is its one-line error) where
+    ``data.dataset`` is a DATA_DIR with a manifest here; ``cfg`` otherwise. A ``vocab_size``
+    asked for (``--vocab-size``) that the manifest contradicts is a warning on stderr."""
+    if cfg.data.dataset == "synthetic" or not (Path(cfg.data.dataset) / MANIFEST).is_file():
+        return cfg
+    from megatron_branchnorm.training.data import resolve_vocab
+
+    asked = cfg.model.vocab_size
+    cfg = resolve_vocab(cfg)
+    if asked is None and vocab_size is not None and vocab_size != cfg.model.vocab_size:
+        print(
+            f"warning: --vocab-size {vocab_size} differs from the vocab_size "
+            f"{cfg.model.vocab_size} of {Path(cfg.data.dataset) / MANIFEST}: planning "
+            f"{cfg.model.vocab_size}, as the trainer takes it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return cfg
+
+
 def _plan(argv: list[str] | None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_data_vocab(load_config(args.config, args.overrides), args.vocab_size)
     kwargs = dict(
         micro_batch_tokens=args.micro_batch_tokens,
         micro_batches=args.micro_batches,

@@ -747,6 +747,7 @@ KIND_OWNERS: dict[str, tuple[str, ...]] = {
     "data": ("formats/data_dir.py",),
     "export": ("inference/export.py",),
     "hf_export": ("inference/hf_export.py",),
+    "ct2_export": ("inference/ct2.py",),
     "corpus": ("data/locale_corpus.py", "data/synthetic_corpus.py"),
     "rehearsal": ("workflows/rehearse.py",),
     "demo": ("workflows/demo.py",),
@@ -876,6 +877,9 @@ ENV_MEANINGS: dict[str, str] = {
     "comparison) are kept (default ~/.cache/megatron_branchnorm/anchors).",
     "MBN_FAULT_INJECT": "experiments/fault_inject.py: the faults to inject into the trainer "
     "(tests and fault_sweep only; its module docstring lists them).",
+    "TORCHELASTIC_USE_AGENT_STORE": "Set by torchrun's agent (and by the project's own "
+    "launcher, which hosts the store on the socket it holds): the rendezvous store already "
+    "exists, so rank 0 neither hosts one nor checks that MASTER_PORT is free.",
     "MBN_RENDEZVOUS_FD": "Set by runner/ranks.py for rank 0 of the ranks it starts: a socket "
     "already listening on MASTER_PORT, on which rank 0 hosts the rendezvous store.",
     "MBN_TEST_FP16_ON_CPU": "experiments/fault_inject.py: with 1, DeepSpeed's CPU "

@@ -17,6 +17,7 @@ Used by the workflows (``megatron_branchnorm.workflows``) and the research harne
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -76,6 +77,51 @@ class HeldPort:
         self.close()
 
 
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""torch's variable that makes every rank, rank 0 included, join the rendezvous store at
+MASTER_ADDR:MASTER_PORT as a client (``torch.distributed.rendezvous``; torchrun's agent hosts
+that store) instead of rank 0 binding the port and starting one there."""
+
+
+def check_rendezvous_port() -> None:
+    """Refuse at once, with one line naming MASTER_PORT, when this process is rank 0 of a run
+    with a given MASTER_PORT (the deepspeed launcher, srun through slurm/common.sh, a user's
+    environment) and that port cannot be bound on this host: rank 0 binds it for the rendezvous
+    only after the imports and DeepSpeed's CPU op (up to a minute). Nothing is checked where
+    rank 0 will not bind the port itself: another rank (rank 0's host, the master node, is the
+    only one that can tell), a port this project's launcher already holds for rank 0
+    (:data:`RENDEZVOUS_FD`, :class:`HeldPort`), a store hosted by torchrun's agent, or no
+    MASTER_PORT at all (a single process hosts its own). A malformed variable is left to the
+    trainer's environment check, which names it."""
+    env = os.environ
+    rank = env.get("RANK") or (env.get("SLURM_PROCID") if "MASTER_ADDR" in env else None)
+    port = env.get("MASTER_PORT", "").strip()
+    if (
+        (rank or "0").strip() != "0"
+        or RENDEZVOUS_FD in env
+        or env.get(AGENT_STORE) == "True"
+        or not (port.isdigit() and 0 < int(port) < 65536)
+    ):
+        return
+    sock = socket.socket()
+    try:
+        # as torch's store binds it: every address, SO_REUSEADDR (a closed run's TIME_WAIT
+        # connections do not count, a listening socket does)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", int(port)))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            return  # not ours to judge (no IPv4, a privileged port): the rendezvous says
+        where = f"{env.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+        raise LaunchError(
+            f"environment variable MASTER_PORT: {where} is already in use on this host "
+            "(another run or program listens there); choose a free port "
+            "(deepspeed --master_port P, or MASTER_PORT=P)"
+        ) from None
+    finally:
+        sock.close()
+
+
 IP_LOCAL_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 """Where Linux keeps its ephemeral port range (two numbers: the first and the last port)."""
 
@@ -119,7 +165,7 @@ def rank_env(rank: int, world: int, port: int | None) -> dict[str, str]:
     """The environment of one rank, as srun + slurm/common.sh would give it; MASTER_PORT
     ``port`` (None: none, for a world of one, which then hosts its own rendezvous store)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MBN_FAULT"))}
-    for key in ("MASTER_PORT", RENDEZVOUS_FD, "TORCHELASTIC_USE_AGENT_STORE"):
+    for key in ("MASTER_PORT", RENDEZVOUS_FD, AGENT_STORE):
         env.pop(key, None)  # this process's own rendezvous is not the rank's
     env.update(
         RANK=str(rank),
@@ -175,7 +221,7 @@ def deepspeed_command(ranks: int, args: list[str]) -> tuple[list[str], dict[str,
     if port is None:
         raise LaunchError("no free TCP port outside the ephemeral range for the rendezvous")
     env = dict(os.environ)
-    for key in (RENDEZVOUS_FD, "TORCHELASTIC_USE_AGENT_STORE"):
+    for key in (RENDEZVOUS_FD, AGENT_STORE):
         env.pop(key, None)  # this process's own rendezvous is not the ranks'
     env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
     cmd = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(port)]

@@ -10,10 +10,12 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from megatron_branchnorm.config import ConfigError
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats.files import one_line, quote
-from megatron_branchnorm.runner.launch import RENDEZVOUS_FD
+from megatron_branchnorm.runner.launch import AGENT_STORE, RENDEZVOUS_FD
 from megatron_branchnorm.training import collectives, stop_signals
 from megatron_branchnorm.training.exit_codes import PEER_LOST_EXIT_CODE
 
@@ -58,11 +60,6 @@ def setup_process_env() -> None:
     check_process_env()
     host_rendezvous()
 
-
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
-"""torch's variable that makes every rank, rank 0 included, join the rendezvous store at
-MASTER_ADDR:MASTER_PORT as a client (``torch.distributed.rendezvous``; torchrun's agent hosts
-that store) instead of rank 0 binding the port and starting one there."""
 
 _HOSTED: list[dist.TCPStore] = []
 """The rendezvous stores this process hosts, held for its life (a process group started again
@@ -122,9 +119,15 @@ def _env_int(name: str, low: int, high: int | None = None) -> int | None:
 def check_process_env() -> None:
     """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE and MASTER_PORT as a launcher sets them, or a
     one-line ConfigError naming the variable (a non-integer, a negative, RANK >= WORLD_SIZE, a
-    port outside 1..65535) before torch.distributed raises a traceback or waits forever."""
+    port outside 1..65535, RANK without WORLD_SIZE) before torch.distributed raises a
+    traceback or waits forever."""
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
+    if rank is not None and world is None:
+        raise ConfigError(
+            f"environment variable WORLD_SIZE: not set, but RANK is ({rank}): a launcher sets "
+            "both; set WORLD_SIZE too, or unset RANK for a single process"
+        )
     if rank is not None and world is not None and rank >= world:
         raise ConfigError(
             f"environment variable RANK: {rank}, but WORLD_SIZE is {world} (ranks are "
@@ -192,7 +195,7 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
 
     DeepSpeed 0.19.8 passes ``device_id=cuda:LOCAL_RANK`` to torch's ``init_process_group``
     itself at world size > 1 (``deepspeed/comm/torch.py``), which makes NCCL's communicator
-    eager and bound to that GPU; at world size 1 it leaves it out on purpose (its #8248).
+    eager and bound to that GPU; at world size 1 it leaves it out on purpose (DeepSpeed PR #8248).
     """
     import deepspeed
 
@@ -302,17 +305,50 @@ def load_shm_comm_op(timeout_s: float) -> None:
       launcher terminates the survivors' process trees, ninja first) is this rank's own stop
       when SIGTERM or SIGINT reached it too (``stop_signals.stop_if_signalled``), otherwise a
       :class:`PeerLostError` (exit 4) instead of ninja's traceback;
-    - torch's build lock (``lock`` in the op's build directory), held for over ``timeout_s``
-      while no process of this node builds there, was left by a rank killed while building:
-      every start would wait for it forever, so the rank ends with a line naming it, exit 4.
+    - torch's build lock (``lock`` in the op's build directory) makes every load wait, built or
+      not, with no message and no time limit (torch's ``FileBaton``). A lock that no process
+      of this node builds under is one line at once when it is there before the load
+      (:func:`build_lock_line`), and one every :data:`BUILD_LOCK_NOTE_S` while the rank waits
+      for it; held for over ``timeout_s`` that way, it was left by a rank killed while
+      building, and the rank ends with a line naming it, exit 4. The rank waits rather than
+      failing at once: another node sharing the directory may be building (this node cannot
+      see its processes), and the lock of a build of this node exists for a moment before
+      ninja starts there.
     """
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
 
     builder = get_accelerator().create_op_builder(SHM_COMM_BUILDER)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return
-    with _deadline(timeout_s, lambda: _stale_build_lock(builder.name, timeout_s)):
+    if builder.name not in builder._loaded_ops and not installed_ops.get(builder.name, False):
+        load_op(builder, timeout_s)  # built just in time, under torch's build lock
+    else:
+        builder.load()
+
+
+BUILD_LOCK_NOTE_S = 60.0
+"""Seconds between the lines of a rank that waits for a build lock no process of its node
+holds."""
+BUILD_LOCK_FRESH_S = 10.0
+"""A build lock younger than this is taken for a load or build that just began (torch holds
+the lock for milliseconds to load a built op, and a build runs ninja in the directory within
+seconds): no line at once for it."""
+
+
+def load_op(builder: Any, timeout_s: float) -> None:
+    """``builder.load()`` for an op that torch builds just in time (:func:`load_shm_comm_op`):
+    a build lock already there is said at once, then every :data:`BUILD_LOCK_NOTE_S` while no
+    process of this node builds there, and ends the rank (exit 4) after ``timeout_s``."""
+    name = builder.name
+    line = build_lock_line(name, timeout_s)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    with (
+        _deadline(timeout_s, lambda: _stale_build_lock(name, timeout_s)),
+        _every(BUILD_LOCK_NOTE_S, lambda: _waiting_line(name)),
+    ):
         try:
             builder.load()
         except RuntimeError as exc:
@@ -320,10 +356,75 @@ def load_shm_comm_op(timeout_s: float) -> None:
                 raise
             stop_signals.stop_if_signalled()
             raise PeerLostError(
-                f"DeepSpeed's CPU communication op ({builder.name}) was being built when its "
+                f"DeepSpeed's CPU communication op ({name}) was being built when its "
                 f"build was stopped ({one_line(str(exc), 200)}): another rank, or its node, "
                 "is gone and the job is being ended"
             ) from None
+
+
+def build_lock_path(name: str) -> Path:
+    """torch's build lock of extension ``name``: ``TORCH_EXTENSIONS_DIR/NAME/lock``, else under
+    torch's per-user cache (``~/.cache/torch_extensions/py311_cpu/NAME/lock`` for Python 3.11
+    and a CPU build of torch; ``cu128`` and the like for a CUDA build)."""
+    from torch.utils.cpp_extension import _get_build_directory  # where load() puts it
+
+    return Path(_get_build_directory(name, verbose=False)) / "lock"
+
+
+def build_lock_line(name: str, timeout_s: float) -> str | None:
+    """The line of a rank about to load extension ``name`` whose build lock is already there,
+    older than :data:`BUILD_LOCK_FRESH_S`, with no process of this node building under it
+    (left by one that died while building, or held by another node's build); None otherwise:
+    no lock, or a load or build that is running."""
+    lock = build_lock_path(name)
+    try:
+        age_s = max(0.0, time.time() - lock.stat().st_mtime)
+    except FileNotFoundError:
+        return None
+    if age_s < BUILD_LOCK_FRESH_S or _works_in(lock.parent):
+        return None
+    return (
+        f"rank {os.environ.get('RANK', '0')}: a build lock {lock} exists, {age_s:.0f} s old "
+        f"(left by a process that died while building {name}?); this rank waits for it up to "
+        f"train.collective_timeout_s={timeout_s:g} s: if no other process is building {name}, "
+        f"remove {lock}"
+    )
+
+
+def _waiting_line(name: str) -> str | None:
+    """The reminder of a rank still waiting for the build lock of ``name`` while no process of
+    this node builds there; None while it is building, or without a lock."""
+    lock = build_lock_path(name)
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age_s < BUILD_LOCK_NOTE_S or _works_in(lock.parent):
+        return None
+    return (
+        f"rank {os.environ.get('RANK', '0')}: still waiting for the build lock {lock}, "
+        f"{age_s:.0f} s old, that no process of this node builds under: if no other node is "
+        f"building {name}, remove {lock}"
+    )
+
+
+@contextlib.contextmanager
+def _every(seconds: float, line: Callable[[], str | None]) -> Iterator[None]:
+    """Print the line ``line()`` returns (None: nothing) on stderr every ``seconds`` while the
+    block runs."""
+    done = threading.Event()
+
+    def remind() -> None:
+        while not done.wait(seconds):
+            text = line()
+            if text is not None:
+                print(text, file=sys.stderr, flush=True)
+
+    threading.Thread(target=remind, name="start-up-reminder", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _build_interrupted(exc: RuntimeError) -> bool:
@@ -338,9 +439,7 @@ def _build_interrupted(exc: RuntimeError) -> bool:
 def _stale_build_lock(name: str, timeout_s: float) -> str | None:
     """The line for torch's build lock of extension ``name`` when it is stale (held over
     ``timeout_s`` while no process of this node works in its directory); None otherwise."""
-    from torch.utils.cpp_extension import _get_build_directory  # where load() puts it
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = build_lock_path(name)
     try:
         held_s = time.time() - lock.stat().st_mtime
     except FileNotFoundError:

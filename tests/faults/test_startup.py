@@ -136,12 +136,13 @@ def test_sigterm_inside_the_rendezvous_ends_the_rank_at_once(starting_ranks):
     ], stderr[-3000:]
 
 
-def test_a_build_lock_left_by_a_killed_build_is_one_line(starting_ranks):
+def test_a_build_lock_left_by_a_killed_build_is_said_at_once_then_ends_the_wait(starting_ranks):
     code, stderr = starting_ranks["stale_lock"]
     lines = _lines(stderr)
-    assert code == PEER_LOST_EXIT_CODE and len(lines) == 1, stderr[-3000:]
-    assert "deepspeed_shm_comm/lock, held for" in lines[0], lines
-    assert "no process of this node builds there" in lines[0], lines
+    assert code == PEER_LOST_EXIT_CODE and len(lines) == 2, stderr[-3000:]
+    assert "deepspeed_shm_comm/lock exists, 36" in lines[0], lines  # before the wait
+    assert "deepspeed_shm_comm/lock, held for" in lines[1], lines
+    assert "no process of this node builds there" in lines[1], lines
 
 
 # The launcher gone before the rank's first instruction. A helper adopts the orphans
