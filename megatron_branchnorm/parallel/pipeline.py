@@ -33,7 +33,8 @@ from collections.abc import Iterator
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
+from deepspeed.utils.timer import SynchronizedWallClockTimer
 from torch import nn
 
 from megatron_branchnorm.config import ModelConfig
@@ -519,20 +520,56 @@ def unsupported_deepspeed(what: str) -> RuntimeError:
     )
 
 
+class SummedTrainBatchTimer(SynchronizedWallClockTimer.Timer):
+    """DeepSpeed's ``train_batch`` timer holding one running sum instead of a record per update.
+
+    DeepSpeed 0.19.8's ``PipelineEngine.train_batch`` starts and stops its ``train_batch``
+    timer every update, whatever ``wall_clock_breakdown`` says; on CUDA each stop keeps a pair
+    of CUDA events in the timer's ``event_timers`` list, which only DeepSpeed's read at a
+    ``steps_per_print`` boundary clears, and ``steps_per_print`` defaults to 10**9 here
+    (training/ds_config.py: no DeepSpeed log lines), so the list grew by two events per update
+    for the whole run. This timer takes host time (``time.time()``, as DeepSpeed's timers do on
+    host-timer accelerators; ``train_batch`` waits for the device once near its end, so the
+    two differ by the work still queued then) and folds each interval into one record:
+    :meth:`elapsed`, the only read DeepSpeed makes of it, gives the sum of the intervals since
+    its last reset at any ``steps_per_print``, and the timer holds one number and no event."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.use_host_timer = True
+
+    def stop(self, reset: bool = False, record: bool = False) -> None:
+        """End the interval and add it to the running sum."""
+        super().stop(reset=reset, record=record)
+        self.event_timers[:] = [sum(self.event_timers)]
+
+
+def bound_train_batch_timer(engine: PipelineEngine) -> None:
+    """Give ``engine`` a :class:`SummedTrainBatchTimer` as its ``train_batch`` timer (its
+    timer group's entry of that name; DeepSpeed's other timers run only under
+    ``wall_clock_breakdown``, which DeepSpeed reads and clears at every ``steps_per_print``)."""
+    timers = engine.timers.get_timers()
+    if not isinstance(timers, dict):
+        raise unsupported_deepspeed("the engine's timers keep no dict of timers")
+    timers[TRAIN_BATCH_TIMER] = SummedTrainBatchTimer(TRAIN_BATCH_TIMER)
+
+
 def install_engine_fixes(engine: PipelineEngine) -> None:
     """Apply our changes to this engine instance (DeepSpeed's class is untouched):
     :func:`_backward_once` for BackwardPass, :func:`_typed_recv_buffer` for receive buffers,
-    the sends and receives of fixed shapes (:func:`fixed_shapes`), and a stage that walks its
-    modules only when its mode changes (:func:`remember_mode`). All replace private
+    the sends and receives of fixed shapes (:func:`fixed_shapes`), a stage that walks its
+    modules only when its mode changes (:func:`remember_mode`), and a ``train_batch`` timer
+    that does not grow with the updates (:func:`bound_train_batch_timer`). All replace private
     methods of DeepSpeed 0.19.8 (pinned in setup.py); a DeepSpeed without them is refused here
     rather than failing mid-step."""
     for name in ("_allocate_or_extend_buffers", "_INSTRUCTION_MAP", "_exec_recv_grads"):
         if not hasattr(type(engine), name):
             raise unsupported_deepspeed(f"PipelineEngine.{name} is missing")
-    for name in ("first_output_send", "pipe_recv_buf", "grad_layer", "pipe_buffers"):
+    for name in ("first_output_send", "pipe_recv_buf", "grad_layer", "pipe_buffers", "timers"):
         if not hasattr(engine, name):
             raise unsupported_deepspeed(f"PipelineEngine has no attribute {name}")
     install_backward_once(engine)
+    bound_train_batch_timer(engine)
     remember_mode(engine.module)
     engine._INSTRUCTION_MAP[schedule.SendActivation] = _send_activations
     engine._INSTRUCTION_MAP[schedule.RecvActivation] = _recv_activations

@@ -356,6 +356,27 @@ class TrainStream:
             f"{self.micro_batches} micro-batches per update)"
         )
 
+    def shape_identity(self) -> dict:
+        """What fixes the shape of each micro-batch this rank sends or receives: the bucket
+        shapes (count and :meth:`Buckets.digest`), and the stream's order of them from here
+        (position, micro-batches per update, and a digest of the current epoch's bucket of
+        every batch). Every rank of the job must hold the same (:func:`shape_disagreement`);
+        ``{"shapes": 0}`` without bucket shapes (the shapes travel with each micro-batch)."""
+        if self.buckets is None:
+            return {"shapes": 0}
+        plan = self._current()
+        order = hashlib.sha256(np.ascontiguousarray(plan.shapes, dtype=np.uint8).tobytes())
+        return {
+            "shapes": len(self.buckets),
+            "digest": self.buckets.digest(),
+            "epoch": self.epoch,
+            "position": self.position,
+            "slot": self._slot0,
+            "per_update": self.per_update,
+            "batches": len(plan),
+            "order": order.hexdigest()[:12],
+        }
+
     def describe_buckets(self) -> str | None:
         """The bucket shapes and the padding share of the current epoch's batches, measured
         (source + target slots against real tokens); None without buckets or on a rank that
@@ -396,6 +417,61 @@ class TrainStream:
             self._plan = self._build(epoch, self._slot0)
         if self._plan is None or position > len(self._plan):
             raise DataError(f"sampler state epoch={epoch} position={position} is out of range")
+
+
+def _describe_shapes(identity: dict, stream: bool) -> str:
+    """What :meth:`TrainStream.shape_identity` says: the bucket shapes, or with ``stream``
+    the order of them."""
+    if not identity.get("shapes"):
+        return "no bucket shapes (data.bucket_shapes=0: shapes sent with each micro-batch)"
+    if not stream:
+        return f"{identity['shapes']} bucket shapes with digest {identity['digest']}"
+    return (
+        f"epoch {identity['epoch']}'s order of {identity['batches']:,} batch shapes with "
+        f"digest {identity['order']}, at position {identity['position']} (update slot "
+        f"{identity['slot']}, {identity['per_update']:,} micro-batches per update)"
+    )
+
+
+def _ranks_named(members: list[tuple[int, int]], most: int = 8) -> str:
+    """``rank 3 (stage 1)``, ``ranks 1, 3 (stages 1, 1)``: the first ``most`` of
+    ``members`` (rank, stage)."""
+    if len(members) == 1:
+        return f"rank {members[0][0]} (stage {members[0][1]})"
+    shown = members[:most]
+    more = f" and {len(members) - most} more" if len(members) > most else ""
+    ranks = ", ".join(str(r) for r, _ in shown)
+    stages = ", ".join(str(s) for _, s in shown)
+    return f"ranks {ranks}{more} (stages {stages})"
+
+
+def shape_disagreement(gathered: list[tuple[int, dict]]) -> str | None:
+    """One line naming the ranks that derived other bucket shapes, or another order of them,
+    than rank 0 (``gathered``: each rank's (stage, :meth:`TrainStream.shape_identity`), in
+    rank order); None when every rank agrees.
+
+    The pipeline sends each bucket's shapes once and fixed-shape tensors after that
+    (docs/design.md §18): stages that derived different shapes would exchange messages of
+    different sizes, which gloo refuses but NCCL does not check (a hang, or garbage read)."""
+    ref = gathered[0][1]
+    groups: dict[str, list[tuple[int, int]]] = {}
+    compared: set[bool] = set()  # False: the shapes differ, True: only their order
+    for rank, (stage, identity) in enumerate(gathered):
+        if identity == ref:
+            continue
+        same_shapes = all(identity.get(k) == ref.get(k) for k in ("shapes", "digest"))
+        compared.add(same_shapes)
+        groups.setdefault(_describe_shapes(identity, same_shapes), []).append((rank, stage))
+    if not groups:
+        return None
+    named = "; ".join(f"{_ranks_named(members)} derived {what}" for what, members in groups.items())
+    mine = " and ".join(_describe_shapes(ref, stream) for stream in sorted(compared))
+    return (
+        "the ranks disagree on the shapes of the training micro-batches, which the pipeline "
+        f"sends without their sizes (data.bucket_shapes): {named}, where "
+        f"{_ranks_named([(0, gathered[0][0])])} derived {mine}; every rank must read the same "
+        "data, config and checkpoint with the same version of megatron_branchnorm"
+    )
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:

@@ -55,6 +55,7 @@ from megatron_branchnorm.training.data import (
     TrainStream,
     as_engine_items,
     resolve_vocab,
+    shape_disagreement,
     vocab_identity,
 )
 from megatron_branchnorm.training.exit_codes import (
@@ -427,6 +428,7 @@ class Trainer:
         cfg = self.cfg
         self.checkpointer.resume()  # sets self.state
         agree_or_raise(self.world, self.stream.update_too_large())  # the epoch's plan is built
+        agree_on_shapes(self.stream, self.stage_id)  # before any fixed-shape send (§18)
         self.checkpointer.record_start()
         print(f"rank {self.rank} (stage {self.stage_id}): {self.stream.describe()}", flush=True)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -486,6 +488,17 @@ class Trainer:
     def _loss_scale(self) -> float:
         """fp16's dynamic loss scale (DeepSpeed's optimizer); 1.0 in fp32 and bf16."""
         return 1.0 if self.fp32 else float(getattr(self.engine.optimizer, "cur_scale", 1.0))
+
+
+def agree_on_shapes(stream: TrainStream, stage: int) -> None:
+    """Collective (one object all-gather): a :class:`TrainError` on every rank when a rank
+    derived other bucket shapes, or another order of them, than rank 0
+    (:func:`megatron_branchnorm.training.data.shape_disagreement`). Every rank derives them
+    itself, stages that read no data too (docs/design.md §18), and the pipeline then sends
+    tensors of those shapes without their sizes: NCCL would hang or read garbage."""
+    problem = shape_disagreement(collectives.all_gather_object((stage, stream.shape_identity())))
+    if problem is not None:
+        raise TrainError(problem)
 
 
 def run(cfg: ExperimentConfig) -> int:
