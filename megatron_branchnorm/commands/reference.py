@@ -13,6 +13,12 @@ docstrings; and the environment variables the package, ``tools/`` and ``slurm/``
 described in :data:`ENV_MEANINGS` (a variable read and not described, or described and no
 longer read, is an error). The output holds no date and no path of this machine, so the same
 checkout always gives the same pages (tests/docs/test_reference.py checks them in make test).
+
+No page is over :data:`MAX_LINES` lines, as every docs page: config.md and commands.md are
+index pages of pages per config section, per family of shipped configs and per front door,
+and a page that would grow past the limit is an error naming it. A page the generator wrote
+(its first line is :data:`GENERATED`) and no longer writes is removed; any other file in
+docs/reference/ is an error, never deleted.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pathlib import Path
 
 from megatron_branchnorm import config as config_module
 from megatron_branchnorm.cli import ArgumentParser, run_main
-from megatron_branchnorm.commands import FRONT_DOORS, FrontDoor
+from megatron_branchnorm.commands import FRONT_DOORS, KINDS, FrontDoor
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.outputs import write_text_output
@@ -437,13 +443,38 @@ def _imported_docstring(tree: ast.Module, name: str) -> str:
     return ""
 
 
-def config_page() -> str:
+def _shipped_family(name: str) -> str:
+    """A shipped config's family: its name without the depth suffix (``wmt17_en_de_6L`` ->
+    ``wmt17_en_de``); a config without one is a family of its own."""
+    return re.sub(r"_\d+L$", "", name)
+
+
+def _key_page(key: str) -> str:
+    """The page and anchor of a config key's entry."""
+    return f"config-{key.split('.')[0]}.md#{_slug(key)}"
+
+
+def _first_sentence(text: str) -> str:
+    """A description's first sentence (of its first paragraph), as one line."""
+    para = _one_paragraph(text.strip().split("\n\n")[0])
+    return re.split(r"(?<=[.?!])\s+(?=[A-Z`(])", para)[0]
+
+
+def config_pages() -> dict[str, str]:
+    """config.md (the sections, the constants the checks name), one page per section
+    (``config-SECTION.md``: every key), config-shipped.md (the shipped configs) and one page
+    per family of shipped configs (``config-shipped-FAMILY.md``: every key each sets)."""
     keys = config_keys()
     defaults = {k.key: _yaml_value(k.default) for k in keys}
     tree = _parse(Path(config_module.__file__))
     documented = _docstrings(tree)
     classes = _section_classes()
-    out = [
+    configs = shipped_configs()
+    families: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {}
+    for config in configs:
+        families.setdefault(_shipped_family(config[0]), []).append(config)
+    up = "Part of the [config reference](config.md)."
+    index = [
         GENERATED,
         "",
         "# Config reference",
@@ -451,42 +482,38 @@ def config_page() -> str:
         _rst_to_md(_one_paragraph(inspect.getdoc(config_module).split("\n\n")[0])),
         "",
         "A config is a YAML file with the sections `model`, `data`, `pipeline` and `train`, or the",
-        "name of a shipped one (below); `section.key=value` on the command line overrides a key.",
-        "Unknown keys, wrong types and values that fail a check below are refused with a",
-        "one-line error naming the key.",
+        "name of a [shipped one](config-shipped.md); `section.key=value` on the command line",
+        "overrides a key. Unknown keys, wrong types and values that fail a key's checks are",
+        "refused with a one-line error naming the key.",
         "",
         "Source: `megatron_branchnorm/config.py` (each key's text is the docstring under its",
         "field; the checks are its validation, in the words of a config file).",
         "",
+        "## Sections",
+        "",
     ]
-    for section in SECTIONS:
-        cls = classes[section]
-        out += [f"## {section}", "", _rst_to_md(_one_paragraph(inspect.getdoc(cls) or "")), ""]
-        rows = [
-            (
-                f"[`{k.key}`](#{_slug(k.key)})",
-                f"`{k.type.replace(' | ', ' or ')}`",
-                f"`{defaults[k.key]}`",
-            )
-            for k in keys
-            if k.key.startswith(section + ".")
-        ]
-        out += _table(("key", "type", "default"), rows) + [""]
-        for k in keys:
-            if not k.key.startswith(section + "."):
-                continue
-            out += [f"### {k.key}", ""]
-            out += [f"- type: `{k.type.replace(' | ', ' or ')}`", f"- default: `{defaults[k.key]}`"]
-            if k.allowed:
-                out.append("- allowed: " + ", ".join(f"`{v}`" for v in k.allowed))
-            for check in k.checks:
-                out.append(f"- checked: `{check}`")
-            out += ["", _rst_to_md(_one_paragraph(k.doc)), ""]
+    rows = [
+        (
+            f"[`{s}`](config-{s}.md)",
+            _cell(_first_sentence(inspect.getdoc(classes[s]) or "")),
+            str(sum(k.key.startswith(s + ".") for k in keys)),
+        )
+        for s in SECTIONS
+    ]
+    index += _table(("section", "what", "keys"), rows) + [""]
+    index += ["## Shipped configs", ""]
+    index += [
+        "[Shipped configs](config-shipped.md): each file of `megatron_branchnorm/configs/` and "
+        "every key it sets, by family: "
+        + ", ".join(f"[{f}](config-shipped-{f}.md)" for f in families)
+        + ".",
+        "",
+    ]
     names = sorted(
         {n for k in keys for c in k.checks for n in re.findall(r"\b[A-Z][A-Z0-9_]{2,}\b", c)}
     )
     if names:
-        out += ["## Constants the checks name", ""]
+        index += ["## Constants the checks name", ""]
         rows = []
         for name in names:
             value = getattr(config_module, name)
@@ -494,27 +521,63 @@ def config_page() -> str:
                 value = tuple(value)
             doc = documented.get(name, (None, None))[1] or _imported_docstring(tree, name)
             rows.append((f"`{name}`", f"`{_yaml_value(value)}`", _cell(doc)))
-        out += _table(("name", "value", "meaning"), rows) + [""]
-    out += [
-        "## Shipped configs",
+        index += _table(("name", "value", "meaning"), rows) + [""]
+    pages = {"config.md": index}
+    for section in SECTIONS:
+        out = [GENERATED, "", f"# Config: {section}", "", up, ""]
+        out += [_rst_to_md(_one_paragraph(inspect.getdoc(classes[section]) or "")), ""]
+        own = [k for k in keys if k.key.startswith(section + ".")]
+        rows = [
+            (
+                f"[`{k.key}`](#{_slug(k.key)})",
+                f"`{k.type.replace(' | ', ' or ')}`",
+                f"`{defaults[k.key]}`",
+            )
+            for k in own
+        ]
+        out += _table(("key", "type", "default"), rows) + [""]
+        for k in own:
+            out += [f"## {k.key}", ""]
+            out += [f"- type: `{k.type.replace(' | ', ' or ')}`", f"- default: `{defaults[k.key]}`"]
+            if k.allowed:
+                out.append("- allowed: " + ", ".join(f"`{v}`" for v in k.allowed))
+            for check in k.checks:
+                out.append(f"- checked: `{check}`")
+            out += ["", _rst_to_md(_one_paragraph(k.doc)), ""]
+        pages[f"config-{section}.md"] = out
+    shipped = [
+        GENERATED,
         "",
-        "Each file of `megatron_branchnorm/configs/`, run as `--config NAME`, and every key it",
-        "sets (the others keep the defaults above). Its YAML file says more in its comments.",
+        "# Shipped configs",
+        "",
+        up,
+        "",
+        "Each file of `megatron_branchnorm/configs/`, run as `--config NAME`; its family's page",
+        "lists every key it sets (the others keep their defaults). Its YAML file says more in",
+        "its comments.",
         "",
     ]
-    configs = shipped_configs()
-    out += _table(
-        ("config", "summary"), [(f"[`{n}`](#{_slug(n)})", _cell(s)) for n, s, _ in configs]
+    shipped += _table(
+        ("config", "summary"),
+        [
+            (f"[`{n}`](config-shipped-{_shipped_family(n)}.md#{_slug(n)})", _cell(s))
+            for n, s, _ in configs
+        ],
     )
-    out.append("")
-    for name, summary, sets in configs:
-        out += [f"### {name}", "", _rst_to_md(summary), ""]
-        out += _table(
-            ("key", "value", "default"),
-            [(f"`{k}`", f"`{v}`", f"`{defaults[k]}`") for k, v in sets],
-        )
-        out.append("")
-    return "\n".join(out)
+    pages["config-shipped.md"] = shipped + [""]
+    for family, members in families.items():
+        out = [GENERATED, "", f"# Shipped configs: {family}", ""]
+        out += ["Part of the [shipped configs](config-shipped.md): every key each config sets,"]
+        out += ["its value and the key's default.", ""]
+        for name, summary, sets in members:
+            out += [f"## {name}", "", _rst_to_md(summary), ""]
+            out += _table(
+                ("key", "value", "default"),
+                [(f"[`{k}`]({_key_page(k)})", f"`{v}`", f"`{defaults[k]}`") for k, v in sets],
+            )
+            out.append("")
+        pages[f"config-shipped-{family}.md"] = out
+    return {name: "\n".join(lines) for name, lines in pages.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,39 +656,50 @@ def _scrub(text: str) -> str:
     return text
 
 
-def commands_page() -> str:
-    out = [
+def commands_pages() -> dict[str, str]:
+    """commands.md (every front door by kind, a line each) and one page per front door
+    (``commands-NAME.md``: its ``--help`` and its subcommands')."""
+    index = [
         GENERATED,
         "",
         "# Command reference",
         "",
-        "Every front door's `--help` (the registry `FRONT_DOORS` in",
-        "`megatron_branchnorm/commands/__init__.py`), formatted at "
-        f"{COLUMNS} columns. A *command* does one",
-        "thing, a *workflow* runs a whole job, an *experiment* belongs to the research harness.",
-        "Run each as `python tools/SCRIPT`, `python -m MODULE` or, in an installed copy, its",
-        "console script.",
+        "Every front door (the registry `FRONT_DOORS` in",
+        "`megatron_branchnorm/commands/__init__.py`), each with its own page holding its `--help`",
+        f"at {COLUMNS} columns. A *command* does one thing, a *workflow* runs a whole job, an",
+        "*experiment* belongs to the research harness. Run each as `python tools/SCRIPT`,",
+        "`python -m MODULE` or, in an installed copy, its console script.",
         "",
     ]
-    rows = []
-    for d in FRONT_DOORS:
-        script = f"`tools/{d.tool}.py`" if d.tool else ""
-        rows.append(
-            (
-                f"[{d.name}](#{_slug(d.name)})",
-                d.kind,
-                f"`{d.module}`",
-                script,
-                f"`{d.console}`" if d.console else "",
+    pages: dict[str, list[str]] = {}
+    for kind in KINDS:
+        index += [f"## {kind.capitalize()}s", ""]
+        rows = []
+        for d in (d for d in FRONT_DOORS if d.kind == kind):
+            parser = door_parser(d)
+            script = f"`tools/{d.tool}.py`" if d.tool else ""
+            console = f"`{d.console}`" if d.console else ""
+            rows.append(
+                (
+                    f"[{d.name}](commands-{d.name}.md)",
+                    _cell(_first_sentence(parser.description or "")),
+                    script,
+                    console,
+                )
             )
-        )
-    out += _table(("door", "kind", "module", "script", "console script"), rows) + [""]
-    for d in FRONT_DOORS:
-        parser = door_parser(d)
-        out += [f"## {d.name}", "", "```text", _help_text(parser).rstrip(), "```", ""]
-        for name, sub in _subparsers(parser):
-            out += [f"### {d.name} {name}", "", "```text", _help_text(sub).rstrip(), "```", ""]
-    return _scrub("\n".join(out))
+            runs = [f"`python -m {d.module}`"]
+            runs += [f"`python tools/{d.tool}.py`"] if d.tool else []
+            runs += [f"`{d.console}` (installed)"] if d.console else []
+            out = [GENERATED, "", f"# {d.name}", ""]
+            out += [f"A {kind} of the [command reference](commands.md); run as {', '.join(runs)}."]
+            out += ["", "```text", _help_text(parser).rstrip(), "```", ""]
+            for name, sub in _subparsers(parser):
+                out += [f"## {d.name} {name}", "", "```text", _help_text(sub).rstrip(), "```", ""]
+            pages[f"commands-{d.name}.md"] = out
+        index += _table(("door", "what", "script", "console script"), rows) + [""]
+    return {"commands.md": _scrub("\n".join(index))} | {
+        name: _scrub("\n".join(lines)) for name, lines in pages.items()
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,7 +790,7 @@ def exit_codes_page() -> str:
             if doc and _cell(doc) not in texts:
                 texts.append(_cell(doc))
         if value == 1:
-            doors = ", ".join(f"[{n}](commands.md#{_slug(n)})" for n in doors_returning_one())
+            doors = ", ".join(f"[{n}](commands-{n}.md)" for n in doors_returning_one())
             texts.insert(0, f"{EXIT_ONE}: {doors}.")
         names = "<br>".join(f"`{n}`" for n, _ in defined)
         rows.append((f"**{value}**", " ".join(texts), names))
@@ -786,7 +860,9 @@ def _door_of_tool(tool: str) -> FrontDoor:
     raise ReferenceError(f"formats/dirs.py: kind written by {tool}, which is no front door")
 
 
-def formats_page(root: Path = ROOT) -> str:
+def formats_pages(root: Path = ROOT) -> dict[str, str]:
+    """formats.md (the kinds of directory and their entries) and formats-owners.md (the
+    docstring of each format owner of ``formats/``)."""
     if set(KIND_OWNERS) != set(dirs.KINDS):
         raise ReferenceError(
             "commands/reference.py KIND_OWNERS: name the owner modules of exactly the kinds of "
@@ -815,7 +891,12 @@ def formats_page(root: Path = ROOT) -> str:
     rows = []
     for k in dirs.KINDS.values():
         door = _door_of_tool(k.tool)
-        owners = "<br>".join(f"`{o}`" for o in KIND_OWNERS[k.name])
+        owners = "<br>".join(
+            f"[`{o}`](formats-owners.md#{_slug(Path(o).stem)})"
+            if o.startswith("formats/")
+            else f"`{o}`"
+            for o in KIND_OWNERS[k.name]
+        )
         rows.append(
             (
                 f"[{k.name}](#{_slug(k.name)})",
@@ -836,16 +917,25 @@ def formats_page(root: Path = ROOT) -> str:
     out += [
         "## Format owners",
         "",
-        "The docstring of each module of `megatron_branchnorm/formats/`, the one owner of its",
-        "format.",
+        "[Format owners](formats-owners.md): the docstring of each module of",
+        "`megatron_branchnorm/formats/`, the one owner of its format.",
+        "",
+    ]
+    owners = [
+        GENERATED,
+        "",
+        "# Format owners",
+        "",
+        "Part of the [on-disk formats](formats.md): the docstring of each module of",
+        "`megatron_branchnorm/formats/`, the one owner of its format.",
         "",
     ]
     for path in sorted((root / PACKAGE / "formats").glob("*.py")):
         if path.stem == "__init__":
             continue
         doc = ast.get_docstring(_parse(path)) or ""
-        out += [f"### {path.stem}", "", f"`{_rel(path, root)}`", "", _rst_to_md(doc), ""]
-    return "\n".join(out)
+        owners += [f"## {path.stem}", "", f"`{_rel(path, root)}`", "", _rst_to_md(doc), ""]
+    return {"formats.md": "\n".join(out), "formats-owners.md": "\n".join(owners)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1244,8 +1334,9 @@ def environment_page(root: Path = ROOT) -> str:
         "# Environment variables",
         "",
         "Every environment variable the package, the scripts of `tools/` and the SLURM",
-        "launchers of `slurm/` read, where, and what it means. Settings of a run are config keys",
-        "(config.md), never variables: these are the launchers', SLURM's and the test harness's.",
+        "launchers of `slurm/` read, where, and what it means. Settings of a run are",
+        "[config keys](config.md), never variables: these are the launchers', SLURM's and the",
+        "test harness's.",
         "",
     ]
     rows = [(f"`{n}`", _cell(meanings[n]), _where(reads[n])) for n in sorted(reads)]
@@ -1261,11 +1352,12 @@ PAGES: dict[str, tuple[str, str]] = {
     "config.md": (
         "Config reference",
         "every config key of the four sections (type, default, "
-        "allowed values, checks, meaning) and what each shipped config sets",
+        "allowed values, checks, meaning), a page per section, and what each shipped config sets",
     ),
     "commands.md": (
         "Command reference",
-        "every front door's `--help`: the commands, workflows and experiments",
+        "every front door by kind, and a page per front door with its `--help`: the commands, "
+        "workflows and experiments",
     ),
     "exit-codes.md": (
         "Exit codes",
@@ -1281,7 +1373,13 @@ PAGES: dict[str, tuple[str, str]] = {
         "every variable the package, tools/ and slurm/ read, where, and its meaning",
     ),
 }
-"""The pages besides index.md: title and what each holds."""
+"""The pages the index lists (each of the others is linked from one of them): title and what
+each holds."""
+
+MAX_LINES = 400
+"""The most lines a page may have, as every page of the docs (tests/docs/test_site.py): a
+longer one is split into pages here, so that a growing help text fails the generator, not a
+reader."""
 
 
 def index_page() -> str:
@@ -1299,26 +1397,61 @@ def index_page() -> str:
 
 
 def build_pages(root: Path = ROOT) -> dict[str, str]:
-    """Every page of docs/reference/ by file name, as the code says now."""
+    """Every page of docs/reference/ by file name, as the code says now; ReferenceError naming
+    a page that would be over :data:`MAX_LINES` lines."""
     pages = {
         "index.md": index_page(),
-        "config.md": config_page(),
-        "commands.md": commands_page(),
+        **config_pages(),
+        **commands_pages(),
         "exit-codes.md": exit_codes_page(),
-        "formats.md": formats_page(root),
+        **formats_pages(root),
         "environment.md": environment_page(root),
     }
-    return {name: text.rstrip("\n") + "\n" for name, text in pages.items()}
+    pages = {name: text.rstrip("\n") + "\n" for name, text in pages.items()}
+    for name, text in pages.items():
+        if (n := text.count("\n")) > MAX_LINES:
+            raise ReferenceError(
+                f"{(OUT_DIR / name).as_posix()} would be {n} lines, more than the {MAX_LINES} "
+                "a docs page may have: split it into pages in commands/reference.py"
+            )
+    return pages
+
+
+def _is_generated(path: Path) -> bool:
+    """Whether ``path`` is a page this generator wrote (its first line is :data:`GENERATED`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\n") == GENERATED
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def leftover_pages(pages: dict[str, str], root: Path = ROOT) -> list[str]:
+    """The generator's pages in docs/reference/ that it no longer writes (to remove);
+    ReferenceError naming any other file there (docs/reference/ holds generated pages only,
+    and the generator removes nothing it did not write)."""
+    out = root / OUT_DIR
+    extra = sorted(p for p in out.glob("*.md") if p.name not in pages) if out.is_dir() else []
+    foreign = [p.name for p in extra if not _is_generated(p)]
+    if foreign:
+        raise ReferenceError(
+            f"{OUT_DIR.as_posix()}: {', '.join(foreign)} not generated (no first line "
+            f"{GENERATED}): docs/reference/ holds generated pages only; move it elsewhere"
+        )
+    return [p.name for p in extra]
 
 
 def stale_pages(root: Path = ROOT) -> list[str]:
-    """The pages whose checked-in text differs from what the code gives now."""
+    """The pages whose checked-in text differs from what the code gives now, and the pages
+    the generator wrote that it no longer writes."""
     out = root / OUT_DIR
-    return [
+    pages = build_pages(root)
+    changed = [
         name
-        for name, text in build_pages(root).items()
+        for name, text in pages.items()
         if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text
     ]
+    return changed + leftover_pages(pages, root)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1346,10 +1479,13 @@ def _generate(argv: list[str] | None) -> int:
         for n, t in pages.items()
         if not (out / n).is_file() or (out / n).read_text(encoding="utf-8") != t
     ]
+    leftover = leftover_pages(pages, ROOT)
     if args.check:
-        if changed:
+        if changed or leftover:
             print(
-                f"out of date: {', '.join(changed)} (run python tools/gen_reference.py)",
+                "out of date: "
+                + ", ".join(changed + [f"{n} (no longer generated)" for n in leftover])
+                + " (run python tools/gen_reference.py)",
                 file=sys.stderr,
             )
             return 1
@@ -1358,7 +1494,10 @@ def _generate(argv: list[str] | None) -> int:
     out.mkdir(exist_ok=True)
     for name in changed:
         write_text_output(out / name, pages[name])
-    print(f"{OUT_DIR.as_posix()}: wrote {len(changed)} of {len(pages)} pages")
+    for name in leftover:
+        (out / name).unlink()
+    removed = f", removed {len(leftover)} no longer generated" if leftover else ""
+    print(f"{OUT_DIR.as_posix()}: wrote {len(changed)} of {len(pages)} pages{removed}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """docs/reference/ is generated from the code (megatron_branchnorm/commands/reference.py,
 ``python tools/gen_reference.py``): the checked-in pages equal what the code gives now, every
-config key has a docstring, and the table of environment variables matches what the package,
-tools/ and slurm/ read."""
+config key has a docstring, the table of environment variables matches what the package,
+tools/ and slurm/ read, and no page is over 400 lines (the docs' limit): docs/reference/ holds
+exactly the generated pages, each in the site's navigation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_branchnorm.commands import FRONT_DOORS, reference
+from megatron_branchnorm.formats.yaml_io import load_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "megatron_branchnorm" / "config.py"
@@ -33,6 +35,61 @@ def test_checked_in_pages_equal_the_generated_ones(pages):
     assert stale == [], (
         f"docs/reference/ is out of date ({stale}): run python tools/gen_reference.py"
     )
+
+
+def test_docs_reference_holds_no_page_the_generator_does_not_write(pages):
+    extra = sorted(p.name for p in (ROOT / reference.OUT_DIR).iterdir() if p.name not in pages)
+    assert extra == [], (
+        f"docs/reference/ holds pages the generator does not write ({extra}): "
+        "run python tools/gen_reference.py (it removes its own), move the others elsewhere"
+    )
+
+
+def test_every_page_is_at_most_400_lines_and_in_the_site_nav(pages):
+    assert reference.MAX_LINES == 400
+    long = {n: t.count("\n") for n, t in pages.items() if t.count("\n") > reference.MAX_LINES}
+    assert long == {}
+    nav = load_bounded((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), "mkdocs.yml")["nav"]
+    section = next(entry["Reference"] for entry in nav if "Reference" in entry)
+
+    def listed(entries):
+        for entry in entries:
+            values = entry.values() if isinstance(entry, dict) else [entry]
+            for value in values:
+                yield from listed(value) if isinstance(value, list) else [value]
+
+    in_nav = sorted(Path(p).name for p in listed(section))
+    assert in_nav == sorted(pages), "mkdocs.yml's Reference nav lists other pages than these"
+
+
+def test_a_page_over_the_limit_fails_naming_it(monkeypatch):
+    monkeypatch.setattr(reference, "commands_pages", dict)  # the slow part, not under test
+    monkeypatch.setattr(reference, "exit_codes_page", lambda: "line\n" * 401)
+    with pytest.raises(reference.ReferenceError, match=r"^docs/reference/exit-codes\.md .*401"):
+        reference.build_pages()
+
+
+def test_a_page_no_longer_generated_is_removed_and_no_other_file(tmp_path, monkeypatch, capsys):
+    """``--check`` names a page the generator wrote and no longer writes; a run removes it;
+    a file it did not write in docs/reference/ is refused, naming it, and kept."""
+    monkeypatch.setattr(reference, "ROOT", tmp_path)
+    out = tmp_path / "docs" / "reference"
+    out.mkdir(parents=True)
+    (out / "index.md").write_text("new\n")
+    old = out / "old.md"
+    old.write_text(f"{reference.GENERATED}\n\n# Old\n")
+    monkeypatch.setattr(reference, "build_pages", lambda root=None: {"index.md": "new\n"})
+    assert reference.main(["--check"]) == 1
+    assert "old.md (no longer generated)" in capsys.readouterr().err
+    assert old.is_file()
+    assert reference.main([]) == 0
+    assert not old.exists() and (out / "index.md").read_text() == "new\n"
+    assert reference.main(["--check"]) == 0
+    mine = out / "notes.md"
+    mine.write_text("# My notes\n")
+    assert reference.main([]) == 2
+    assert "notes.md not generated" in capsys.readouterr().err
+    assert mine.read_text() == "# My notes\n"
 
 
 def test_pages_hold_no_machine_path_nor_date(pages):
@@ -151,9 +208,22 @@ def test_help_does_not_depend_on_the_terminal(monkeypatch):
     assert argparse.ArgumentParser.parse_known_args.__name__ == "parse_known_args"
 
 
-def test_every_front_door_has_its_help_on_the_commands_page(pages):
+def test_every_front_door_has_a_page_with_its_help_linked_from_the_commands_page(pages):
     for d in FRONT_DOORS:
-        assert f"\n## {d.name}\n\n```text\nusage: " in pages["commands.md"], d.name
+        assert f"[{d.name}](commands-{d.name}.md)" in pages["commands.md"], d.name
+        page = pages[f"commands-{d.name}.md"]
+        assert page.startswith(f"{reference.GENERATED}\n\n# {d.name}\n"), d.name
+        assert "\n```text\nusage: " in page, d.name
+
+
+def test_config_pages_cover_every_key_and_every_shipped_config(pages):
+    for k in reference.config_keys():
+        section = k.key.split(".")[0]
+        assert f"\n## {k.key}\n" in pages[f"config-{section}.md"], k.key
+    for name, _summary, _sets in reference.shipped_configs():
+        family = reference._shipped_family(name)
+        assert f"\n## {name}\n" in pages[f"config-shipped-{family}.md"], name
+        assert f"(config-shipped-{family}.md#{reference._slug(name)})" in pages["config-shipped.md"]
 
 
 def test_check_mode_names_stale_pages(tmp_path, monkeypatch, capsys):

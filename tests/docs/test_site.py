@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 
 
-def test_every_hand_written_page_is_at_most_400_lines():
-    pages = [p for p in (ROOT / "docs").rglob("*.md") if p.parent.name != "reference"]
-    assert pages
+def test_every_page_is_at_most_400_lines():
+    pages = list((ROOT / "docs").rglob("*.md"))
+    assert any(p.parent.name == "reference" for p in pages)
     long = {
         str(p.relative_to(ROOT)): n
         for p in pages
