@@ -4,12 +4,17 @@
     python tools/convert_checkpoint.py --checkpoint runs/x --tag global_step4000 --average-last 5 \\
         --output exports/x --format hf
     python tools/convert_checkpoint.py --checkpoint runs/x --average-best 3 --output exports/best3
+    python tools/convert_checkpoint.py --checkpoint runs/x --output exports/x-ct2 \\
+        --format ctranslate2 --quantization int8
 
 Reads a checkpoint written with any number of pipeline stages, verifies its checksums, builds
 the flat model, folds the residual scheme into a plain Post-LN model where it can (Pre-LN stays
 Pre-LN) and writes model.safetensors, config.yaml, spm.model and export.json (which records the
 directions the run's DATA_DIR trained, for translate.py). ``--format hf``
-writes a Hugging Face MarianMTModel directory instead (checked by loading it back).
+writes a Hugging Face MarianMTModel directory instead (checked by loading it back);
+``--format ctranslate2`` a CTranslate2 model directory converted from it by ctranslate2's
+converter (``--quantization``, default float32: the same translations as the PyTorch search)
+with spm.model and export.json, for translate.py and evaluate.py.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from megatron_branchnorm.cli import ArgumentParser, UsageError, int_flag, run_ma
 from megatron_branchnorm.formats.outputs import check_parent_dir, refuse_overlap
 
 PROG = "convert_checkpoint.py"
+QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "float32")
+"""``--quantization`` (inference/ct2.QUANTIZATIONS, kept here so that ``--help`` stays light)."""
+DEFAULT_QUANTIZATION = "float32"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tag", default=None, help="global_stepN, or best (train.keep_best; default: latest)"
     )
     parser.add_argument("--output", required=True, help="export directory to create")
-    parser.add_argument("--format", choices=("native", "hf"), default="native")
+    parser.add_argument("--format", choices=("native", "hf", "ctranslate2"), default="native")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help=f"weight type of a --format ctranslate2 export (default {DEFAULT_QUANTIZATION}: "
+        "exact; int8: about 4x smaller and faster on CPU, a little BLEU lost)",
+    )
     parser.add_argument(
         "--average-last",
         type=int_flag(1, 10_000),
@@ -63,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the whole state itself)",
     )
     args = parser.parse_args(argv)
+    if args.quantization is not None and args.format != "ctranslate2":
+        raise UsageError("--quantization applies to --format ctranslate2 only")
     if args.average_best and (args.average_last != 1 or args.tag is not None):
         raise UsageError("--average-best takes neither --average-last nor --tag")
     if args.repartition is not None:
@@ -73,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if args.average_last != 1 or args.average_best or args.format != "native":
             raise UsageError("--repartition takes none of --average-last, --average-best, --format")
+    if args.format == "ctranslate2":
+        from megatron_branchnorm.inference.ct2 import require_ctranslate2
+
+        require_ctranslate2("--format ctranslate2")  # before any work
     return args
 
 
@@ -108,9 +129,11 @@ def _convert(argv: list[str] | None) -> int:
             prepare_export_dir(args.output, args.overwrite, "--output", inputs)
         else:
             from megatron_branchnorm.formats.outputs import prepare_output
+            from megatron_branchnorm.inference.ct2 import CT2_EXPORT_KIND
             from megatron_branchnorm.inference.hf_export import HF_EXPORT_KIND
 
-            prepare_output(args.output, HF_EXPORT_KIND, args.overwrite, "--output", inputs)
+            kind = HF_EXPORT_KIND if args.format == "hf" else CT2_EXPORT_KIND
+            prepare_output(args.output, kind, args.overwrite, "--output", inputs)
 
     check_output([("--checkpoint", save_dir)])
     tags = resolve_tags(save_dir, args.tag, args.average_last, args.average_best)
@@ -131,6 +154,18 @@ def _convert(argv: list[str] | None) -> int:
     if args.format == "native":
         out = save_export(model, args.output, vocab.spm_path, meta, overwrite=args.overwrite)
         print(f"wrote {out} (step {model.step}, {model.cfg.residual})")
+        return 0
+    if args.format == "ctranslate2":
+        from megatron_branchnorm.inference.ct2 import export_ct2
+
+        quantization = args.quantization or DEFAULT_QUANTIZATION
+        result = export_ct2(
+            model, args.output, vocab.spm_path, meta, quantization, args.overwrite, inputs=inputs
+        )
+        print(
+            f"wrote {args.output} (CTranslate2 {quantization}, from a Hugging Face export "
+            f"whose max |logit diff| was {result['max_abs_diff']:.2e})"
+        )
         return 0
     from megatron_branchnorm.inference.hf_export import export_hf
 

@@ -13,9 +13,11 @@ MultiUN (its six languages), cased sacreBLEU for OPUS-100 and any other corpus. 
 scoring applies to its own direction only: the other directions of the DATA_DIR get the default
 cased sacreBLEU, and --task auto leaves a WMT/IWSLT-looking DATA_DIR whose test set was held out
 of its training lines (not the task's test set) to the default. The first lines printed (and
-"scoring" in --json) say which scoring, why, and what was scored. Directions the model was not
-trained on (export.json ``directions``) are evaluated too, marked zero-shot, and averaged
-apart. Any of --bleu, --lowercase, --tokenize,
+"scoring" in --json) say which scoring, why, and what was scored; the line before the table
+(and "engine" in --json) which engine translated: ``--model`` may be a CTranslate2 export
+(``convert_checkpoint.py --format ctranslate2``), searched with the same options. Directions
+the model was not trained on (export.json ``directions``) are evaluated too, marked zero-shot,
+and averaged apart. Any of --bleu, --lowercase, --tokenize,
 --compound-split sets the scoring by hand instead: --tokenize picks sacreBLEU's tokenizer
 (default: by target language: zh; ja-mecab or char; 13a otherwise). The signature of every
 score is printed.
@@ -94,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _evaluate(argv: list[str] | None) -> int:
-    import torch
-
+    from megatron_branchnorm.commands.translate import load_translator
+    from megatron_branchnorm.inference.ct2 import engine_label
     from megatron_branchnorm.inference.evaluate import (
         EvaluationError,
         check_outputs,
@@ -107,11 +109,9 @@ def _evaluate(argv: list[str] | None) -> int:
         references_from_manifest,
         select_directions,
     )
-    from megatron_branchnorm.inference.translate import SearchOptions, Translator
+    from megatron_branchnorm.inference.translate import SearchOptions
 
     args = parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     opts = SearchOptions(
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, 1, args.batch_tokens
     )
@@ -126,7 +126,7 @@ def _evaluate(argv: list[str] | None) -> int:
     directions = select_directions(references_from_manifest(args.data, args.split), wanted)
     # Before any work: no output may overwrite the data, its references or the export.
     check_outputs(args.json, args.hyp_dir, directions, args.data, args.model, args.overwrite)
-    translator = Translator.from_export(args.model)
+    translator = load_translator(args)
     for d in directions:  # untrained directions are evaluated too, marked zero-shot
         translator.check_languages(d.src_lang, d.tgt_lang)
 
@@ -160,10 +160,19 @@ def _evaluate(argv: list[str] | None) -> int:
             shutil.rmtree(hyp_tmp, ignore_errors=True)
         raise
     report["scoring"] = describe_scoring(chosen, scoring, directions, args.split, args.data)
+    report["engine"] = engine_label(translator)
     if args.json:
         write_text_output(args.json, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    write_stdout(format_table(report) + "\n")
+    write_stdout(with_engine(format_table(report), report["engine"]) + "\n")
     return 0
+
+
+def with_engine(table: str, engine: str) -> str:
+    """``table`` with the line ``engine: ...`` just above its column header (the scoring lines
+    stay first)."""
+    rows = table.split("\n")
+    at = next((i for i, row in enumerate(rows) if row.startswith("direction ")), 0)
+    return "\n".join([*rows[:at], f"engine: {engine}", *rows[at:]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,11 @@ One output line per input line (an empty input line gives an empty output line).
 A direction the model was not trained on (export.json ``directions``; a language into itself
 when they are not recorded) is refused unless ``--zero-shot`` is given.
 
+``--model`` may also be a CTranslate2 export (``convert_checkpoint.py --format ctranslate2``):
+the same options, mapped to CTranslate2's search (inference/ct2.py), and ``--compute-type``
+(CTranslate2's only); stderr's last line names the engine that ran (``engine: pytorch``,
+``engine: ctranslate2 int8``) unless ``--quiet``.
+
 ``--output`` is checked before the model is loaded: never over the input or the export, never
 inside a run (or its checkpoints), a DATA_DIR, an export or another tool's directory, and never
 over an existing file without ``--overwrite``: a translation is plain text, so an earlier one
@@ -21,8 +26,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from megatron_branchnorm.cli import ArgumentParser, float_flag, int_flag, run_main
+from megatron_branchnorm.cli import ArgumentParser, UsageError, float_flag, int_flag, run_main
 from megatron_branchnorm.formats.outputs import (
     OutputError,
     check_output_file,
@@ -33,11 +39,15 @@ from megatron_branchnorm.formats.outputs import (
 
 PROG = "translate.py"
 
+if TYPE_CHECKING:
+    from megatron_branchnorm.inference.translate import Translator
+
 
 def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
     """--beam, --lenpen, --max-len-a/-b, --batch-tokens (and --nbest), range-checked (the
     search's defaults and limits come from inference/translate.py, imported here so that
     ``--help`` stays light)."""
+    from megatron_branchnorm.inference.ct2 import COMPUTE_TYPES
     from megatron_branchnorm.inference.translate import (
         MAX_BEAM,
         MAX_LEN_A,
@@ -81,8 +91,35 @@ def add_search_args(p: argparse.ArgumentParser, nbest: bool = True) -> None:
         "--threads",
         type=int_flag(0, MAX_THREADS),
         default=0,
-        help="torch CPU threads (default 0: torch's)",
+        help="CPU threads of torch or of CTranslate2 (default 0: the engine's)",
     )
+    p.add_argument(
+        "--compute-type",
+        choices=COMPUTE_TYPES,
+        default=None,
+        help="a CTranslate2 export's compute type (default: its quantization); a PyTorch "
+        "export refuses it",
+    )
+
+
+def load_translator(args: argparse.Namespace) -> Translator:
+    """The translator of ``--model``: CTranslate2's for a CTranslate2 export (detected from
+    the directory), ours otherwise; ``--threads`` applied to the engine that runs, and an
+    option only the other engine has refused in one line."""
+    from megatron_branchnorm.inference.ct2 import CT2Translator, is_ct2_export
+    from megatron_branchnorm.inference.translate import Translator
+
+    if is_ct2_export(args.model):
+        return CT2Translator(args.model, args.compute_type or "default", args.threads)
+    if args.compute_type is not None:
+        raise UsageError(
+            f"--compute-type applies to a CTranslate2 export only ({args.model} is not one)"
+        )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return Translator.from_export(args.model)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,11 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _translate(argv: list[str] | None) -> int:
-    import torch
-
+    from megatron_branchnorm.inference.ct2 import engine_label
     from megatron_branchnorm.inference.translate import (
         SearchOptions,
-        Translator,
         format_nbest,
         read_lines,
         warn,
@@ -139,13 +174,11 @@ def _translate(argv: list[str] | None) -> int:
             "a file translate can recognise as its own (a translation is plain text)",
             args.overwrite,
         )
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     opts = SearchOptions(
         args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.nbest, args.batch_tokens
     )
     opts.check()  # --nbest <= --beam (each flag's own range is checked by argparse)
-    translator = Translator.from_export(args.model)
+    translator = load_translator(args)
     translator.check_direction(args.src_lang, args.tgt_lang, args.zero_shot)
     lines = read_lines(args.input)
     bar = None
@@ -161,9 +194,10 @@ def _translate(argv: list[str] | None) -> int:
         if bar is not None:
             bar.close()  # before any error line
     if translator.truncated:
+        positions = getattr(translator, "max_positions", None) or translator.model.cfg.max_positions
         warn(
             f"{translator.truncated} input line(s) longer than the model's "
-            f"{translator.model.cfg.max_positions} positions were cut"
+            f"{positions} positions were cut"
         )
     if args.nbest == 1:
         out = [translator.decode(h[0].tokens) if h else "" for h in hyps]
@@ -174,6 +208,8 @@ def _translate(argv: list[str] | None) -> int:
         write_text_output(args.output, text)
     else:
         write_stdout(text)
+    if not args.quiet:
+        print(f"engine: {engine_label(translator)}", file=sys.stderr)
     return 0
 
 

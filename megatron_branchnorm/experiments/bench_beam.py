@@ -1,14 +1,23 @@
 """The ``beam`` section of tools/benchmark.py: beam search sentences/s, ours (and ours at
 ``--baseline``) vs transformers' generate on our HF export, on random weights or a trained
-export's test sentences."""
+export's test sentences; with ``--beam-engines`` (a trained export) every engine side by side
+(:func:`bench_engines`).
+
+    python tools/benchmark.py --sections beam --beam-export runs/demo/export/final \\
+        --beam-data runs/demo/data --beam-engines --beam-sentences 100
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from megatron_branchnorm.experiments import bench_models
 from megatron_branchnorm.experiments.bench_log import log
@@ -168,4 +177,210 @@ def bench_beam(a: argparse.Namespace, work: Path) -> dict:
         res["ours_over_base"] = res["ours_sent_per_s"] / res["base_sent_per_s"]
         res["same_as_base"] = outs["ours"] == outs["base"]
     log(f"beam: ours/hf = {res['ratio']:.2f}")
+    if getattr(a, "beam_engines", False):
+        res["engines"] = bench_engines(a.beam_export, a.beam_data, a.beam_sentences or 32)
+        print(res["engines"]["table"], file=sys.stderr)
     return res
+
+
+ENGINES = ("ours", "hf", "ct2 float32", "ct2 int8")
+"""Our beam search; transformers' generate on our Hugging Face export; CTranslate2 exports
+(inference/ct2.py) at float32 and int8."""
+
+
+def _test_sentences(data: str, per_direction: int) -> list[tuple[str, str, list[str], list[str]]]:
+    """(src_lang, tgt_lang, sources, references): the first test sentences of each
+    direction of ``data`` (non-empty sources)."""
+    from megatron_branchnorm.inference.evaluate import references_from_manifest
+
+    out = []
+    for d in references_from_manifest(data, "test").values():
+        src = d.src_path.read_text(encoding="utf-8").splitlines()
+        ref = d.ref_path.read_text(encoding="utf-8").splitlines()
+        pairs = [(s, r) for s, r in zip(src, ref, strict=False) if s.strip()][:per_direction]
+        out.append((d.src_lang, d.tgt_lang, [s for s, _ in pairs], [r for _, r in pairs]))
+    return out
+
+
+def _hf_translate(hf: Any, tr: Any, lines: list[str], src: str, tgt: str, beam: int) -> list:
+    """transformers' generate on our HF export with our ids, limits (the longest of a batch)
+    and banned ids, batched as translate.py batches: generated ids per line."""
+    import torch
+
+    from megatron_branchnorm.inference.beam_search import max_lengths
+    from megatron_branchnorm.inference.translate import SearchOptions, make_batches, pad_sources
+    from megatron_branchnorm.tokens import EOS_ID, PAD_ID
+
+    opts = SearchOptions(beam=beam)
+    encoded = [tr.encode(x, tgt) for x in lines]
+    out: list = [None] * len(lines)
+    for batch in make_batches([len(e) for e in encoded], opts.batch_tokens):
+        ids = pad_sources([encoded[j] for j in batch])
+        positions = tr.model.cfg.max_positions
+        limit = int(max_lengths(ids, opts.max_len_a, opts.max_len_b, positions).max())
+        with torch.no_grad():
+            gen = hf.generate(
+                input_ids=ids, attention_mask=ids.ne(PAD_ID).long(), num_beams=beam,
+                length_penalty=opts.lenpen, max_new_tokens=limit + 1, early_stopping=True,
+                do_sample=False, bad_words_ids=[[i] for i in tr.banned_ids],
+            )  # fmt: skip
+        for j, row in zip(batch, gen.tolist(), strict=True):
+            out[j] = [t for t in row[1:] if t not in (PAD_ID, EOS_ID)]
+    return out
+
+
+def _engine_run(engine: str, paths: dict[str, str], sentences: list, configs: list) -> dict:
+    """One engine on every (beam, threads) of ``configs``, in a process of its own (so that
+    its peak RSS is its own): seconds (after one untimed pass), sentences, generated tokens
+    and BLEU (the mean of the directions' sacreBLEU) per configuration, peak RSS."""
+    import torch
+    from sacrebleu.metrics import BLEU
+
+    from megatron_branchnorm.inference.ct2 import CT2Translator
+    from megatron_branchnorm.inference.translate import SearchOptions, Translator
+
+    base_mb = _rss_mb("VmRSS")
+    ours = Translator.from_export(paths["ours"]) if engine in ("ours", "hf") else None
+    hf = None
+    if engine == "hf":
+        from transformers import MarianMTModel
+
+        hf = MarianMTModel.from_pretrained(paths["hf"]).eval()
+        hf.generation_config.max_length = None  # max_new_tokens sets the limit
+    rows = {}
+    for beam, threads in configs:
+        torch.set_num_threads(threads)
+        tr = ours
+        if engine.startswith("ct2"):
+            tr = CT2Translator(paths[engine], threads=threads)
+
+        def run(tr: Any = tr, beam: int = beam) -> tuple[list[list[str]], int]:
+            texts, tokens = [], 0
+            for src, tgt, lines, _ in sentences:
+                if hf is not None:
+                    ids = _hf_translate(hf, tr, lines, src, tgt, beam)
+                else:
+                    hyps = tr.translate_hypotheses(lines, src, tgt, SearchOptions(beam=beam))
+                    ids = [h[0].tokens for h in hyps]
+                tokens += sum(map(len, ids))
+                texts.append([tr.decode(x) for x in ids])
+            return texts, tokens
+
+        run()  # warm-up
+        t0 = time.perf_counter()
+        texts, tokens = run()
+        seconds = time.perf_counter() - t0
+        bleus = [
+            BLEU().corpus_score(hyp, [refs]).score
+            for hyp, (_, _, _, refs) in zip(texts, sentences, strict=True)
+        ]
+        rows[f"beam{beam}_t{threads}"] = {
+            "beam": beam, "threads": threads, "seconds": round(seconds, 3),
+            "sentences": sum(len(x[2]) for x in sentences), "tokens": tokens,
+            "bleu": round(statistics.mean(bleus), 2),
+        }  # fmt: skip
+    peak_mb = _rss_mb("VmHWM")
+    return {"rows": rows, "peak_rss_mb": round(peak_mb), "rss_before_load_mb": round(base_mb)}
+
+
+def _rss_mb(field: str) -> float:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``) in MiB, from
+    /proc/self/status: unlike ``ru_maxrss``, the peak of a spawned child starts afresh (its own
+    address space), not at its parent's. 0 where /proc is not there."""
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        return 0.0
+    for line in status.splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _child(engine: str, paths: dict, sentences: list, configs: list, queue: Any) -> None:
+    queue.put(_engine_run(engine, paths, sentences, configs))
+
+
+def bench_engines(
+    export: str,
+    data: str,
+    per_direction: int,
+    isolate: bool = True,
+    configs: list[tuple[int, int]] | None = None,
+) -> dict:
+    """Every engine of :data:`ENGINES` on the same test sentences of ``data`` (the first
+    ``per_direction`` of each direction), at each (beam, threads) of ``configs`` (default: beam
+    4 and 1, on 1 thread and on all): sentences/s, generated tokens/s, peak RSS (each engine
+    in a process of its own with ``isolate``), BLEU; the model files' sizes; a markdown table
+    (``table``) with the CPU's flags."""
+    import multiprocessing
+
+    from megatron_branchnorm.inference.ct2 import export_ct2
+    from megatron_branchnorm.inference.export import SPM, WEIGHTS, load_export
+    from megatron_branchnorm.inference.hf_export import export_hf
+    from megatron_branchnorm.runner.hardware import cpu_info
+
+    sentences = _test_sentences(data, per_direction)
+    cores = os.cpu_count() or 1
+    configs = configs or [(beam, t) for beam in (4, 1) for t in sorted({1, cores})]
+    res: dict[str, Any] = {"cpu": cpu_info().describe(), "configs": configs, "engines": {}}
+    with tempfile.TemporaryDirectory(prefix="mbn_engines_") as tmp:
+        model, _, meta = load_export(export)
+        spm = Path(export) / SPM
+        paths = {"ours": str(export), "hf": f"{tmp}/hf"}
+        export_hf(model, paths["hf"], spm, verify=False)
+        for q in ("float32", "int8"):
+            paths[f"ct2 {q}"] = f"{tmp}/ct2-{q}"
+            export_ct2(model, paths[f"ct2 {q}"], spm, meta, quantization=q)
+        res["model_bytes"] = {
+            "safetensors (ours)": (Path(export) / WEIGHTS).stat().st_size,
+            **{f"{e} model.bin": (Path(paths[e]) / "model.bin").stat().st_size
+               for e in ENGINES if e.startswith("ct2")},
+        }  # fmt: skip
+        c = model.cfg
+        res["config"] = (
+            f"export {export} ({c.encoder_layers}L-{c.decoder_layers}L d={c.hidden_size} "
+            f"vocab={c.vocab_size}), {sum(len(x[2]) for x in sentences)} test sentences of "
+            f"{data} ({len(sentences)} directions)"
+        )
+        del model
+        ctx = multiprocessing.get_context("spawn")
+        for engine in ENGINES:
+            log(f"engines: {engine}")
+            if not isolate:
+                res["engines"][engine] = _engine_run(engine, paths, sentences, configs)
+                continue
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=(engine, paths, sentences, configs, queue))
+            proc.start()
+            res["engines"][engine] = queue.get()
+            proc.join()
+    res["table"] = format_engines(res)
+    return res
+
+
+def format_engines(res: dict) -> str:
+    """The markdown table of :func:`bench_engines`' result."""
+    lines = [
+        f"{res['cpu']}",
+        f"{res['config']}",
+        "",
+        "| engine | beam | threads | sentences/s | target tokens/s | x ours | peak RSS MiB "
+        "(over imports) | BLEU |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ours = res["engines"]["ours"]["rows"]
+    for key in ours:
+        for engine, r in res["engines"].items():
+            row = r["rows"][key]
+            tok_s = row["tokens"] / row["seconds"]
+            ratio = tok_s / (ours[key]["tokens"] / ours[key]["seconds"])
+            lines.append(
+                f"| {engine} | {row['beam']} | {row['threads']} | "
+                f"{row['sentences'] / row['seconds']:.1f} | {tok_s:.0f} | {ratio:.2f} | "
+                f"{r['peak_rss_mb']} ({r['peak_rss_mb'] - r['rss_before_load_mb']:+}) | "
+                f"{row['bleu']:.2f} |"
+            )
+    sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in res["model_bytes"].items())
+    lines += ["", f"model files: {sizes}"]
+    return "\n".join(lines)

@@ -130,6 +130,12 @@ HF_EXPORT = Kind(
         "added_tokens.json",
     ),
 )
+CT2_EXPORT = Kind(
+    "ct2_export",
+    "convert_checkpoint",
+    "a CTranslate2 export written by convert --format ctranslate2",
+    ("model.bin", "config.json", "*vocabulary.json", "spm.model", "export.json"),
+)
 CORPUS = Kind(
     "corpus",
     "build_locale_corpus",
@@ -184,6 +190,7 @@ KINDS: dict[str, Kind] = {
         DATA,
         EXPORT,
         HF_EXPORT,
+        CT2_EXPORT,
         CORPUS,
         REHEARSAL,
         DEMO,

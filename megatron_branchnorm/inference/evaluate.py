@@ -355,9 +355,10 @@ def hypothesis_path(hyp_dir: str | Path, d: DirectionData) -> Path:
     return Path(hyp_dir) / f"{d.name}.txt"
 
 
-REPORT_KEYS = frozenset({"directions", "averages", "scoring"})
-"""The keys of an evaluate --json report (``scoring`` since the paper's scoring): how one of
-ours is recognised, so that a rerun may replace it and nothing else."""
+REPORT_KEYS = frozenset({"directions", "averages", "scoring", "engine"})
+"""The keys of an evaluate --json report (``scoring`` since the paper's scoring, ``engine``
+since CTranslate2 exports): how one of ours is recognised, so that a rerun may replace it and
+nothing else."""
 MAX_REPORT_BYTES = 16 << 20
 HYP_NAME = re.compile(r"^[^-./]+-[^-./]+\.txt$")
 """A file name :func:`hypothesis_path` gives (``<src>-<tgt>.txt``)."""

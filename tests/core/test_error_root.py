@@ -47,9 +47,7 @@ CONTROL_FLOW = {"megatron_branchnorm.commands.reference._Parsed"}
 catches a front door's parser as it starts parsing: the signal must fly past ``run_main``'s
 handlers, so it is a BaseException). None of them reaches a user."""
 
-EXCEPTIONS = [
-    (m, c) for m, c in _exception_classes() if f"{m}.{c.__name__}" not in CONTROL_FLOW
-]
+EXCEPTIONS = [(m, c) for m, c in _exception_classes() if f"{m}.{c.__name__}" not in CONTROL_FLOW]
 
 
 def test_control_flow_classes_are_base_exceptions_caught_where_raised():

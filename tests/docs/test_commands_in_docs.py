@@ -242,13 +242,17 @@ def test_the_checker_finds_what_is_wrong() -> None:
                "--config", "tiny_cpu", "train.max_stepz=3"]  # fmt: skip
     assert problems_of(bad_key) == ["train.py: no config key train.max_stepz"]
     assert problems_of(["make", "tests"]) == ["make: no target tests"]
-    assert problems_of(["sbatch", "slurm/nowhere.sh"]) == ["sbatch slurm/nowhere.sh: no such script"]
+    assert problems_of(["sbatch", "slurm/nowhere.sh"]) == [
+        "sbatch slurm/nowhere.sh: no such script"
+    ]
     assert problems_of([".venv/bin/python", "megatron_branchnorm/train.py", "--config", "nope"])
     assert problems_of(["frobnicate"])
     good = ["mbn-train", "--config", "tiny_cpu", "train.max_steps=3"]
     assert problems_of(good) == []
     assert commands("FOO=1 make test && echo ok | cat > out.txt 2>&1  # done\n") == [
-        ["make", "test"], ["echo", "ok"], ["cat"]
+        ["make", "test"],
+        ["echo", "ok"],
+        ["cat"],
     ]
 
 

@@ -419,6 +419,7 @@ def test_evaluate_writes_json_and_hypotheses_whole(tools, monkeypatch, capsys, e
         "directions",
         "averages",
         "scoring",
+        "engine",
     }
     assert len((hyp / "de-en.txt").read_text(encoding="utf-8").splitlines()) == 3
     found = sorted(p.name for p in hyp.iterdir())

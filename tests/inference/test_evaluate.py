@@ -153,7 +153,8 @@ def test_evaluate_cli_json_hyps_and_sacrebleu_parity(tmp_path, text_export, monk
     stdout, stderr = capsys.readouterr()
     assert code == 0, stderr
     report = json.loads(out_json.read_text(encoding="utf-8"))
-    assert set(report) == {"directions", "averages", "scoring"}
+    assert set(report) == {"directions", "averages", "scoring", "engine"}
+    assert report["engine"] == "pytorch"
     # no paper task recognised: cased sacreBLEU, as before
     assert report["scoring"]["bleu"] == "sacrebleu" and not report["scoring"]["lowercase"]
     assert list(report["directions"]) == ["de-en", "en-zh"]
