@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branchnorm.errors import UserError
+from megatron_branchnorm.experiments.check_table import ROW_KEYS, TABLE_HEADER, Row, format_rows
 from megatron_branchnorm.formats.files import one_line
 from megatron_branchnorm.formats.outputs import (
     check_output_file,
@@ -103,17 +104,6 @@ its build log's first line, ``$ COMMAND``, is one line)."""
 
 class SnapshotError(UserError, ValueError):
     """A ``--src`` that is not a complete, unchanged snapshot of tools/apex_snapshot.sh."""
-
-
-@dataclass
-class Row:
-    check: str
-    value: str
-    limit: str = ""
-    ok: bool | None = None  # None: a figure, not a check
-
-    def verdict(self) -> str:
-        return {True: "PASS", False: "FAIL", None: ""}[self.ok]
 
 
 @dataclass(frozen=True)
@@ -469,10 +459,8 @@ def run_check(
     emit(model_rows(fused_cls, device))
 
 
-TABLE_HEADER = "| check | value | limit | verdict |\n| --- | --- | --- | --- |"
 REPORT_KEYS = frozenset({"tool", "apex_commit", "rows"})
 """The keys of a --json report: how one of ours is recognised."""
-ROW_KEYS = frozenset(Row.__dataclass_fields__)
 
 
 def is_our_report(path: Path) -> bool:
@@ -502,10 +490,6 @@ def check_outputs(src: str, build_dir: str | None, json_path: str | None) -> Non
             )
     if json_path is not None:
         check_output_file(json_path, "--json", inputs, is_our_report, f"a report of {TOOL} --json")
-
-
-def format_rows(rows: list[Row]) -> str:
-    return "\n".join(f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ from megatron_branchnorm.inference.translate import (
     Translator,
     language_tags,
 )
-from megatron_branchnorm.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from megatron_branchnorm.tokens import BOS_ID, PAD_ID, UNK_ID
 
 CT2_EXPORT_KIND = dirs.CT2_EXPORT.name
 """Marker kind of a CTranslate2 export directory (formats/dirs.py owns its layout)."""
@@ -332,7 +332,7 @@ class CT2Translator(Translator):
         special = {PAD_ID, BOS_ID, *self.tags.values(), *range(pieces, len(self.vocab))}
         self.banned_ids = sorted({*special, UNK_ID})
         self.suppressed = [[self.vocab[i]] for i in sorted(special)]
-        self.max_positions = self.meta["max_positions"]
+        self.positions = self.meta["max_positions"]
         self.truncated = 0
         try:
             self.ct2 = ctranslate2.Translator(
@@ -344,18 +344,15 @@ class CT2Translator(Translator):
             ) from None
         self.engine = f"{ENGINE} {self.ct2.compute_type}"
 
+    @property
+    def max_positions(self) -> int:
+        """The export's position table (export.json)."""
+        return self.positions
+
     @classmethod
     def from_export(cls, export_dir: str | Path, device: str = "cpu") -> CT2Translator:
         """Load a CTranslate2 export (CPU, the export's quantization)."""
         return cls(export_dir)
-
-    def encode(self, line: str, tgt_lang: str) -> list[int]:
-        """``<2tgt> pieces </s>`` for one line, cut to the model's position table."""
-        ids = [self.tags[tgt_lang], *self.sp.encode(clean(line)), EOS_ID]
-        if len(ids) > self.max_positions:
-            self.truncated += 1
-            ids = ids[: self.max_positions - 1] + [EOS_ID]
-        return ids
 
     def limit(self, src_len: int, opts: SearchOptions) -> int:
         """Most tokens before EOS for a source of ``src_len`` ids (beam_search.max_lengths)."""

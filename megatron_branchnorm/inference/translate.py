@@ -194,10 +194,15 @@ class Translator:
             f"{src_lang}-{tgt_lang} ({known}); --zero-shot translates it anyway"
         )
 
+    @property
+    def max_positions(self) -> int:
+        """The model's position table: the longest source, and the bound of every limit."""
+        return self.model.cfg.max_positions
+
     def encode(self, line: str, tgt_lang: str) -> list[int]:
         """``<2tgt> pieces </s>`` for one line, cut to the model's position table."""
         ids = [self.tags[tgt_lang], *self.sp.encode(clean(line)), EOS_ID]
-        limit = self.model.cfg.max_positions
+        limit = self.max_positions
         if len(ids) > limit:
             self.truncated += 1
             ids = ids[: limit - 1] + [EOS_ID]

@@ -60,10 +60,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_branchnorm.experiments.check_table import ROW_KEYS, TABLE_HEADER, Row, format_rows
 from megatron_branchnorm.formats.outputs import (
     check_workdir_and_report,
     read_report,
@@ -96,17 +96,6 @@ THROUGHPUT_GPU = [
     "data.max_length=128",
 ]
 THROUGHPUT_CPU = ["model.encoder_layers=2", "model.decoder_layers=2", "data.max_tokens=512"]
-
-
-@dataclass
-class Row:
-    check: str
-    value: str
-    limit: str = ""
-    ok: bool | None = None  # None: a figure, not a check
-
-    def verdict(self) -> str:
-        return {True: "PASS", False: "FAIL", None: ""}[self.ok]
 
 
 def environment(device: str) -> list[Row]:
@@ -602,13 +591,6 @@ def run_checks(
     return rows
 
 
-TABLE_HEADER = "| check | value | limit | verdict |\n| --- | --- | --- | --- |"
-
-
-ROW_KEYS = frozenset(Row.__dataclass_fields__)
-"""The keys of each row of a --json report: how one of ours is recognised."""
-
-
 def is_our_report(path: Path) -> bool:
     """Whether ``path`` holds a --json report of ours: a JSON list of rows (:data:`ROW_KEYS`)."""
     data = read_report(path)
@@ -620,10 +602,6 @@ def check_outputs(workdir: str | None, json_path: str | None) -> None:
     anything), never inside a directory of a known kind; --json not inside one either, and an
     existing file replaced only when it is a report of ours (outputs.check_output_file)."""
     check_workdir_and_report("gpu_check", workdir, json_path, is_our_report)
-
-
-def format_rows(rows: list[Row]) -> str:
-    return "\n".join(f"| {r.check} | {r.value} | {r.limit} | {r.verdict()} |" for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
