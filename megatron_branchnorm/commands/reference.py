@@ -33,6 +33,7 @@ import json
 import os
 import re
 import sys
+import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -616,6 +617,20 @@ def _help_terminal(argv0: str) -> Iterator[None]:
         os.environ.update(saved_env)
 
 
+def _import_quietly(module: str) -> types.ModuleType:
+    """``module``, imported without taking this process's signals: train.py installs a rank's
+    stop handling at import (a wakeup pipe and a watcher that ends the process with exit 75 on
+    SIGTERM), which a process that only reads its parser must not keep."""
+    from megatron_branchnorm.training import stop_signals
+
+    install = stop_signals.install
+    stop_signals.install = lambda: None
+    try:
+        return importlib.import_module(module)
+    finally:
+        stop_signals.install = install
+
+
 def door_parser(door: FrontDoor) -> argparse.ArgumentParser:
     """The parser ``door``'s ``main`` builds, caught as it starts parsing (nothing runs)."""
     if door.tool:
@@ -625,7 +640,7 @@ def door_parser(door: FrontDoor) -> argparse.ArgumentParser:
     else:
         argv0 = f"python -m {door.module}"
     with _help_terminal(argv0):
-        main = importlib.import_module(door.module).main
+        main = _import_quietly(door.module).main
         try:
             main(["--help"]) if inspect.signature(main).parameters else main()
         except _Parsed as found:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -238,3 +240,21 @@ def test_check_mode_names_stale_pages(tmp_path, monkeypatch, capsys):
     assert page.read_text() == "placeholder\n"
     assert reference.main([]) == 0
     assert page.read_text() == "new\n"
+
+
+def test_reading_the_trainers_parser_leaves_this_process_its_signals() -> None:
+    """train.py installs a rank's stop handling when imported (a wakeup pipe and a watcher that
+    ends the process with exit 75 on SIGTERM); the generator (and the docs' command checks in
+    the test process) only read its parser, and keep SIGTERM's own handling."""
+    code = (
+        "import signal\n"
+        "from megatron_branchnorm.commands import FRONT_DOORS\n"
+        "from megatron_branchnorm.commands.reference import door_parser\n"
+        "door_parser(next(d for d in FRONT_DOORS if d.name == 'train'))\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.set_wakeup_fd(-1))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.stdout.split() == ["True", "-1"], out.stdout + out.stderr[-2000:]
