@@ -196,7 +196,10 @@ def test_a_pool_left_by_an_error_is_terminated(n: int, inline_one: bool) -> None
 
 def test_a_huge_line_is_dropped_in_bounded_memory(tmp_path: Path) -> None:
     """A 64 MB training line among 400 normal pairs: dropped and counted as ``too_long``, the
-    others kept; peak memory of the run (two workers) far below the line's size times 10."""
+    others kept; peak memory of the run (two workers) under 20 times the line's size: read
+    whole, the line took 2,297 MiB (36 times), read in bounded pieces about 43 MiB on a quiet
+    machine, and up to 642 MiB seen on a loaded one (the process's imports and its workers'
+    start count too), so the bound separates the two without depending on the load."""
     raw = tmp_path / "raw"
     make_opus(raw, {"de": (400, 20, 20)})
     text = " ".join(sentences("en", 200, 7)).encode() + b" "
@@ -211,7 +214,7 @@ def test_a_huge_line_is_dropped_in_bounded_memory(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     peak = int(re.search(r"^peak_kib (\d+)$", res.stdout, re.M).group(1)) * 1024
-    assert peak < 10 * len(huge), f"peak {peak / 2**20:.0f} MiB for a {len(huge) >> 20} MiB line"
+    assert peak < 20 * len(huge), f"peak {peak / 2**20:.0f} MiB for a {len(huge) >> 20} MiB line"
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     train = m["splits"]["train"]["pairs"]["de-en"]
     assert train["raw_sentences"] == 400 and train["sentences"] == 399
