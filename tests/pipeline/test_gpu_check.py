@@ -147,9 +147,15 @@ def test_sections_run_only_what_is_asked_in_their_order(monkeypatch, tmp_path):
             gpu_check, fn, lambda *_a, n=name: ran.append(n) or [gpu_check.Row(n, "ran")]
         )
     monkeypatch.setattr(gpu_check, "environment", lambda _d: [gpu_check.Row("environment", "")])
+    import deepspeed
+    import torch.distributed as dist
+
+    # no process group is left behind for the tests that start their own
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **_k: None)
     argv = ["--device", "cpu", "--workdir", str(tmp_path / "w"), "--sections", "graphs,precision"]
     assert gpu_check.main(argv) == 0
     assert ran == ["precision", "graphs", "graphs"]
+    assert not dist.is_initialized()
 
 
 def test_an_unknown_section_is_one_line(capsys, tmp_path):
