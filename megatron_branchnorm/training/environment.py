@@ -9,7 +9,6 @@ import datetime
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -430,10 +429,10 @@ def _every(seconds: float, line: Callable[[], str | None]) -> Iterator[None]:
 def _build_interrupted(exc: RuntimeError) -> bool:
     """Whether ``exc`` is torch's "Error building extension" for a ninja that was stopped
     (a signal), rather than a build that failed."""
-    cause = exc.__cause__
-    if not isinstance(cause, subprocess.CalledProcessError):
-        return False
-    return cause.returncode < 0 or "build stopped: interrupted" in str(exc)
+    if "build stopped: interrupted" in str(exc):  # ninja's own words for a signal
+        return True
+    code = getattr(exc.__cause__, "returncode", None)  # ninja's CalledProcessError
+    return isinstance(code, int) and code < 0
 
 
 def _stale_build_lock(name: str, timeout_s: float) -> str | None:
