@@ -321,10 +321,10 @@ def load_shm_comm_op(timeout_s: float) -> None:
     builder = get_accelerator().create_op_builder(SHM_COMM_BUILDER)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return
-    if builder.name not in builder._loaded_ops and not installed_ops.get(builder.name, False):
-        load_op(builder, timeout_s)  # built just in time, under torch's build lock
-    else:
+    if installed_ops.get(builder.name, False):
         builder.load()
+    else:
+        load_op(builder, timeout_s)  # built just in time, under torch's build lock
 
 
 BUILD_LOCK_NOTE_S = 60.0
@@ -341,7 +341,8 @@ def load_op(builder: Any, timeout_s: float) -> None:
     a build lock already there is said at once, then every :data:`BUILD_LOCK_NOTE_S` while no
     process of this node builds there, and ends the rank (exit 4) after ``timeout_s``."""
     name = builder.name
-    line = build_lock_line(name, timeout_s)
+    loaded = name in getattr(builder, "_loaded_ops", {})  # this process has it: no build
+    line = None if loaded else build_lock_line(name, timeout_s)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
     with (
