@@ -316,21 +316,26 @@ def _dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def parity_rows(fused_cls: type, device: str) -> list[Row]:
-    """FusedLayerNorm against torch.nn.LayerNorm: output and gradients (module docstring)."""
-    rows = []
+def _cases(fused_cls: type, device: str):
+    """(dtype name, shape, Apex module, torch module, input, output gradient) for every shape
+    of :data:`SHAPES` and dtype of :data:`DTYPES`: what the parity and speed rows compare."""
     for rows_, dim in SHAPES:
         for name in DTYPES:
             fused, ref = _pair(fused_cls, dim, _dtype(name), device)
             x, dy = _inputs((rows_, dim), _dtype(name), device)
-            got, want = _forward_backward(fused, x, dy), _forward_backward(ref, x, dy)
-            for what, a, b in zip(
-                ("output", "d input", "d weight", "d bias"), got, want, strict=True
-            ):
-                tol = TOL[name]["output" if what == "output" else "grad"]
-                err = max_rel(a, b)
-                rows.append(Row(f"parity {name} ({rows_}, {dim}): {what}, max rel diff",
-                                f"{err:.1e}", f"{tol:g}", err <= tol))  # fmt: skip
+            yield name, (rows_, dim), fused, ref, x, dy
+
+
+def parity_rows(fused_cls: type, device: str) -> list[Row]:
+    """FusedLayerNorm against torch.nn.LayerNorm: output and gradients (module docstring)."""
+    rows = []
+    for name, (rows_, dim), fused, ref, x, dy in _cases(fused_cls, device):
+        got, want = _forward_backward(fused, x, dy), _forward_backward(ref, x, dy)
+        for what, a, b in zip(("output", "d input", "d weight", "d bias"), got, want, strict=True):
+            tol = TOL[name]["output" if what == "output" else "grad"]
+            err = max_rel(a, b)
+            rows.append(Row(f"parity {name} ({rows_}, {dim}): {what}, max rel diff",
+                            f"{err:.1e}", f"{tol:g}", err <= tol))  # fmt: skip
     return rows
 
 
@@ -360,18 +365,15 @@ def time_calls(calls: dict[str, Callable[[], object]], repeats: int, warmup: int
 def speed_rows(fused_cls: type, device: str) -> list[Row]:
     """Forward + backward per call, Apex against torch (module docstring)."""
     rows = []
-    for rows_, dim in SHAPES:
-        for name in DTYPES:
-            fused, ref = _pair(fused_cls, dim, _dtype(name), device)
-            x, dy = _inputs((rows_, dim), _dtype(name), device)
-            calls = {
-                "apex": functools.partial(_forward_backward, fused, x, dy),
-                "torch": functools.partial(_forward_backward, ref, x, dy),
-            }
-            us = time_calls(calls, REPEATS, WARMUP)
-            rows.append(Row(f"speed {name} ({rows_}, {dim}): forward+backward per call, median of "
-                            f"{REPEATS}", f"apex {us['apex']:.1f} us, torch {us['torch']:.1f} us "
-                            f"(apex/torch {us['apex'] / us['torch']:.2f})"))  # fmt: skip
+    for name, (rows_, dim), fused, ref, x, dy in _cases(fused_cls, device):
+        calls = {
+            "apex": functools.partial(_forward_backward, fused, x, dy),
+            "torch": functools.partial(_forward_backward, ref, x, dy),
+        }
+        us = time_calls(calls, REPEATS, WARMUP)
+        rows.append(Row(f"speed {name} ({rows_}, {dim}): forward+backward per call, median of "
+                        f"{REPEATS}", f"apex {us['apex']:.1f} us, torch {us['torch']:.1f} us "
+                        f"(apex/torch {us['apex'] / us['torch']:.2f})"))  # fmt: skip
     return rows
 
 

@@ -53,7 +53,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_branchnorm.data.text import clean
 from megatron_branchnorm.errors import UserError
 from megatron_branchnorm.formats import dirs
 from megatron_branchnorm.formats.files import (
@@ -368,13 +367,7 @@ class CT2Translator(Translator):
         progress: Callable[[int], None] | None = None,
     ) -> list[list[Hypothesis]]:
         """Per line its best hypotheses (empty list for an empty line), in input order."""
-        opts = opts or SearchOptions()
-        opts.check()
-        self.check_languages(src_lang, tgt_lang)
-        results: list[list[Hypothesis]] = [[] for _ in lines]
-        todo = [i for i, line in enumerate(lines) if clean(line)]
-        if progress is not None and len(todo) < len(lines):
-            progress(len(lines) - len(todo))
+        opts, results, todo = self.start_search(lines, src_lang, tgt_lang, opts, progress)
         by_limit: dict[int, list[tuple[int, int, list[str]]]] = {}
         for i in todo:
             ids = self.encode(lines[i], tgt_lang)

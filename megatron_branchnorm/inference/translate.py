@@ -212,6 +212,26 @@ class Translator:
         """Detokenised text of generated ids."""
         return self.sp.decode(list(ids))
 
+    def start_search(
+        self,
+        lines: Sequence[str],
+        src_lang: str,
+        tgt_lang: str,
+        opts: SearchOptions | None,
+        progress: Callable[[int], None] | None,
+    ) -> tuple[SearchOptions, list[list[Hypothesis]], list[int]]:
+        """What every engine's :meth:`translate_hypotheses` does first: the options checked,
+        the direction checked, an empty result per line and the indices of the lines to
+        translate (empty lines are done at once and reported to ``progress``)."""
+        opts = opts or SearchOptions()
+        opts.check()
+        self.check_languages(src_lang, tgt_lang)
+        results: list[list[Hypothesis]] = [[] for _ in lines]
+        todo = [i for i, line in enumerate(lines) if clean(line)]
+        if progress is not None and len(todo) < len(lines):
+            progress(len(lines) - len(todo))
+        return opts, results, todo
+
     def translate_hypotheses(
         self,
         lines: Sequence[str],
@@ -222,13 +242,7 @@ class Translator:
     ) -> list[list[Hypothesis]]:
         """Per line its best hypotheses (empty list for an empty line), in input order.
         ``progress(n)`` is called after each batch with the number of lines done in it."""
-        opts = opts or SearchOptions()
-        opts.check()
-        self.check_languages(src_lang, tgt_lang)
-        results: list[list[Hypothesis]] = [[] for _ in lines]
-        todo = [i for i, line in enumerate(lines) if clean(line)]
-        if progress is not None and len(todo) < len(lines):
-            progress(len(lines) - len(todo))
+        opts, results, todo = self.start_search(lines, src_lang, tgt_lang, opts, progress)
         encoded = [self.encode(lines[i], tgt_lang) for i in todo]
         device = next(self.model.parameters()).device
         for batch in make_batches([len(e) for e in encoded], opts.batch_tokens):

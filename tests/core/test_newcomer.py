@@ -121,7 +121,16 @@ def busy_port():
 
 
 def _rank_env(monkeypatch, **env: str) -> None:
-    for key in ("RANK", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS_FD, AGENT_STORE):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "SLURM_PROCID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        RENDEZVOUS_FD,
+        AGENT_STORE,
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
