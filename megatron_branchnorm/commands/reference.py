@@ -996,7 +996,9 @@ ENV_MEANINGS: dict[str, str] = {
     "OUT": "tools/device_run.sh: the folder that receives its summary, logs and one JSON per "
     "section (default device-out).",
     "PATH": "Where executables are found: the sweep looks up sbatch there; "
-    "tools/same_runs.sh puts the checkout's .venv/bin first.",
+    "tools/same_runs.sh puts the checkout's .venv/bin first; a rank puts its interpreter's "
+    "bin/ first when a ninja is there, so that DeepSpeed's CPU op is always built with the "
+    "same ninja (two versions rebuild it from scratch in turn).",
     "PYTHON": "tools/build_wheelhouse.sh: the interpreter whose packages it collects "
     "(default .venv/bin/python); tools/device_run.sh: the device's interpreter (default "
     "python3).",

@@ -39,7 +39,9 @@ class PeerLostError(UserError, RuntimeError):
 
 def setup_process_env() -> None:
     """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for a single process or from SLURM, so
-    ``deepspeed.init_distributed`` never falls into MPI discovery."""
+    ``deepspeed.init_distributed`` never falls into MPI discovery; and this interpreter's
+    ninja first on PATH for the op DeepSpeed builds on a CPU rank (:func:`interpreter_ninja_first`)."""
+    interpreter_ninja_first()
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
         _env_int("SLURM_PROCID", 0)
@@ -324,7 +326,26 @@ def load_shm_comm_op(timeout_s: float) -> None:
     if installed_ops.get(builder.name, False):
         builder.load()
     else:
+        interpreter_ninja_first()
         load_op(builder, timeout_s)  # built just in time, under torch's build lock
+
+
+def interpreter_ninja_first() -> None:
+    """Put this interpreter's bin/ first on this process's PATH when a ``ninja`` is there, so
+    that torch builds the op with it whichever way the rank was started.
+
+    torch builds the op with the first ``ninja`` on PATH, in one build directory per user and
+    Python version. A virtualenv's ninja (the pip wheel) and the system's (another version)
+    each take the other's build log for a changed command: ranks started by
+    ``.venv/bin/python train.py`` (the system's ninja first) and by the deepspeed launcher or
+    an sbatch script (the virtualenv's first) rebuilt the op from scratch at every switch,
+    30-50 s of every core on the node each time."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "ninja").is_file():
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != str(bin_dir):
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}" if path else str(bin_dir)
 
 
 BUILD_LOCK_NOTE_S = 60.0

@@ -306,3 +306,25 @@ def test_install_puts_its_handlers_back_after_someone_replaced_them():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_the_op_is_built_with_the_ninja_beside_the_interpreter(monkeypatch, tmp_path, beside):
+    """A rank started as ``.venv/bin/python train.py`` (the system's ninja first on PATH) and one
+    started by the deepspeed launcher (the virtualenv's first) build with the same ninja: two
+    versions take each other's build log for a changed command and rebuild the op from scratch."""
+    from megatron_branchnorm.training import environment
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    if beside:
+        (bin_dir / "ninja").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(environment.sys, "executable", str(bin_dir / "python"))
+    _patch_build(monkeypatch, "unused", 0)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    seen = []
+    monkeypatch.setattr(
+        environment, "load_op", lambda builder, timeout_s: seen.append(os.environ["PATH"])
+    )
+    environment.load_shm_comm_op(60.0)
+    assert seen == [f"{bin_dir}:/usr/bin:/bin" if beside else "/usr/bin:/bin"]
