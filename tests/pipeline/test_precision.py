@@ -22,7 +22,6 @@ tolerance separates bf16 from fp32.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +30,13 @@ import pytest
 import torch
 
 from megatron_branchnorm.experiments.fault_inject import FP16_ON_CPU_ENV
-from megatron_branchnorm.formats import checkpoint as ckpt
 from megatron_branchnorm.inference.convert import (
     load_pipeline_checkpoint,
     read_checkpoint,
     repartition_checkpoint,
 )
 from tests.faults.common import INJECTOR, wait_all
-from tests.pipeline.conftest import ROOT, launch_ranks
+from tests.pipeline.conftest import ROOT, copy_at_checkpoint, launch_ranks
 
 TRAIN = str(ROOT / "megatron_branchnorm" / "train.py")
 pytestmark = pytest.mark.distributed
@@ -224,20 +222,6 @@ def test_fp16_where_it_cannot_run_is_one_line_on_every_rank(tmp_path):
         assert "Traceback" not in (log_dir / f"rank{rank}.log").read_text()
 
 
-def _copy_at(src: Path, dst: Path, step: int) -> None:
-    """``src`` as it was right after its checkpoint at ``step``: later tags gone, ``latest``
-    at ``step``, the metrics rows after that update dropped (a resumed run appends its own)."""
-    shutil.copytree(src, dst)
-    for tag in dst.glob(f"{ckpt.TAG_PREFIX}*"):
-        if tag.name != ckpt.tag_for(step):
-            shutil.rmtree(tag)
-    ckpt.write_latest(dst, ckpt.tag_for(step))
-    lines = (dst / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    end = next(i for i, r in enumerate(rows) if "loss" in r and r["step"] == step)
-    (dst / "metrics.jsonl").write_text("".join(f"{line}\n" for line in lines[: end + 1]))
-
-
 @pytest.fixture(scope="module")
 def fp16(tmp_path_factory) -> Path:
     """``full``: 4 updates, saving every 2; ``split``: a copy of ``full`` as it was at its
@@ -251,7 +235,7 @@ def fp16(tmp_path_factory) -> Path:
         _start(out, "full", 2, *run, env=env),
         _start(out, "fp32", 1, "train.max_steps=1"),
     )
-    _copy_at(out / "full", out / "split", 2)
+    copy_at_checkpoint(out / "full", out / "split", 2)
     _finish(_start(out, "split", 2, *run, env=env))  # resumes
     return out
 

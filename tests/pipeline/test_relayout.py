@@ -18,7 +18,6 @@ Micro-batches per update are kept: 2 replicas x 2 micro-batches resume as 1 x 4 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from megatron_branchnorm.parallel.partition import (
     spec_names,
 )
 from tests.faults.common import wait_all
-from tests.pipeline.conftest import ROOT, launch_ranks
+from tests.pipeline.conftest import ROOT, copy_at_checkpoint, launch_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -87,19 +86,6 @@ def _in_waves(out: Path, runs: list[tuple[str, int, list[str]]], ranks: int = 5)
     _finish(wave)
 
 
-def _cut_copy(src: Path, dst: Path) -> None:
-    """``src`` as it was right after the checkpoint at CUT: later tags gone, ``latest`` at CUT,
-    the metrics rows after CUT dropped (a resumed run appends its own)."""
-    shutil.copytree(src, dst)
-    for tag in dst.glob(f"{ckpt.TAG_PREFIX}*"):
-        if tag.name != ckpt.tag_for(CUT):
-            shutil.rmtree(tag)
-    ckpt.write_latest(dst, ckpt.tag_for(CUT))
-    rows = (dst / "metrics.jsonl").read_text().splitlines()
-    keep = [r for r in rows if json.loads(r).get("step", 0) <= CUT]
-    (dst / "metrics.jsonl").write_text("".join(f"{r}\n" for r in keep))
-
-
 @pytest.fixture(scope="module")
 def relayout(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("relayout")
@@ -113,7 +99,7 @@ def relayout(tmp_path_factory) -> Path:
     resumes = []
     for name, (precision, (_, _, micro), (stages, dp)) in CASES.items():
         run = out / "resumed" / name
-        _cut_copy(out / "ref" / name, run)
+        copy_at_checkpoint(out / "ref" / name, run, CUT)
         args = [PROBE, str(out / "probe" / name), "--config", "tiny_cpu", *BASE,
                 f"pipeline.stages={stages}", f"train.micro_batches={micro}",
                 f"train.save_dir={run}", *(BF16 if precision == "bf16" else [])]  # fmt: skip
