@@ -22,7 +22,7 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed ## quick set-up: .venv with torch (CPU wheel), this package, pytest, ruff
 
-test: $(VENV)/.installed ## the whole suite: 15-25 min on 2 CPU cores; installs slurm (root)
+test: $(VENV)/.installed ## the whole suite: ~30 min on 2 CPU cores; installs slurm (root)
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS) tests
 
 lint: $(VENV)/.installed ## ruff check and ruff format --check
