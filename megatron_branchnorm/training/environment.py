@@ -40,7 +40,8 @@ class PeerLostError(UserError, RuntimeError):
 def setup_process_env() -> None:
     """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for a single process or from SLURM, so
     ``deepspeed.init_distributed`` never falls into MPI discovery; and this interpreter's
-    ninja first on PATH for the op DeepSpeed builds on a CPU rank (:func:`interpreter_ninja_first`)."""
+    ninja first on PATH for the op a CPU rank builds (:func:`interpreter_ninja_first`): every
+    process that starts DeepSpeed comes here first (the trainer, the GPU check, the benches)."""
     interpreter_ninja_first()
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
@@ -325,9 +326,8 @@ def load_shm_comm_op(timeout_s: float) -> None:
         return
     if installed_ops.get(builder.name, False):
         builder.load()
-    else:
-        interpreter_ninja_first()
-        load_op(builder, timeout_s)  # built just in time, under torch's build lock
+    else:  # built just in time, under torch's build lock, with the ninja setup_process_env chose
+        load_op(builder, timeout_s)
 
 
 def interpreter_ninja_first() -> None:

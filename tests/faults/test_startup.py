@@ -326,5 +326,6 @@ def test_the_op_is_built_with_the_ninja_beside_the_interpreter(monkeypatch, tmp_
     monkeypatch.setattr(
         environment, "load_op", lambda builder, timeout_s: seen.append(os.environ["PATH"])
     )
+    environment.setup_process_env()  # what a rank does first, then the build
     environment.load_shm_comm_op(60.0)
     assert seen == [f"{bin_dir}:/usr/bin:/bin" if beside else "/usr/bin:/bin"]

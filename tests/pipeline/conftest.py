@@ -1,4 +1,4 @@
-"""Shared launcher for the 2-rank gloo harness (started once per session)."""
+"""Shared launcher for the 2-rank gloo harness (started once per test run)."""
 
 from __future__ import annotations
 
